@@ -1,0 +1,18 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="linformer-fairseq",
+    version="0.1.0",
+    description="Linformer (Wang et al. 2020) as a fairseq plugin for RoBERTa-style pretraining",
+    packages=find_packages(include=["linformer_fairseq", "linformer_fairseq.*"]),
+    python_requires=">=3.8",
+    install_requires=[
+        # fairseq 0.12.2 does not import on Python >= 3.11; fairseq-fixed is fairseq's
+        # main branch with that fixed and provides the same `fairseq` module.
+        "fairseq==0.12.2; python_version < '3.11'",
+        "fairseq-fixed>=0.12.3; python_version >= '3.11'",
+        "sentencepiece",
+        "tensorboard",
+    ],
+    extras_require={"dev": ["pytest", "matplotlib"]},
+)

@@ -1,0 +1,1 @@
+from . import linformer_roberta  # noqa: F401

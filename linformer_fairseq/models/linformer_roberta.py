@@ -1,0 +1,211 @@
+"""Linformer RoBERTa: a RoBERTa encoder (masked-LM head, classification heads) whose
+self-attention is Linformer attention. Works from fairseq-train flags and from
+fairseq-hydra-train yaml (model ``_name: linformer_roberta``) through one config dataclass.
+"""
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+from fairseq import utils
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+from fairseq.dataclass.utils import gen_parser_from_dataclass
+from fairseq.models.transformer.transformer_config import DEFAULT_MIN_PARAMS_TO_WRAP
+from fairseq.models import register_model, register_model_architecture
+from fairseq.models.roberta import RobertaEncoder, RobertaModel
+from fairseq.models.roberta.model import base_architecture as roberta_base_architecture
+from fairseq.modules.transformer_sentence_encoder import init_bert_params
+from omegaconf import OmegaConf, open_dict
+
+from ..modules.linformer_attention import COMPRESS_SHARING, COMPRESS_TYPES
+from ..modules.linformer_encoder import LinformerTransformerEncoder
+
+
+@dataclass
+class LinformerRobertaConfig(FairseqDataclass):
+    # RoBERTa base (the paper's Linformer base: 12 layers, 768, 12 heads, n=512, k=128)
+    encoder_layers: int = field(default=12, metadata={"help": "num encoder layers"})
+    encoder_embed_dim: int = field(default=768, metadata={"help": "encoder embedding dimension"})
+    encoder_ffn_embed_dim: int = field(default=3072, metadata={"help": "encoder embedding dimension for FFN"})
+    encoder_attention_heads: int = field(default=12, metadata={"help": "num encoder attention heads"})
+    activation_fn: ChoiceEnum(utils.get_available_activation_fns()) = field(
+        default="gelu", metadata={"help": "activation function to use"}
+    )
+    pooler_activation_fn: ChoiceEnum(utils.get_available_activation_fns()) = field(
+        default="tanh", metadata={"help": "activation function to use for pooler layer"}
+    )
+    encoder_normalize_before: bool = field(default=False, metadata={"help": "apply layernorm before each encoder block"})
+    layernorm_embedding: bool = field(default=True, metadata={"help": "add layernorm to embedding"})
+    dropout: float = field(default=0.1, metadata={"help": "dropout probability"})
+    attention_dropout: float = field(default=0.1, metadata={"help": "dropout probability for attention weights"})
+    activation_dropout: float = field(default=0.0, metadata={"help": "dropout probability after activation in FFN"})
+    pooler_dropout: float = field(default=0.0, metadata={"help": "dropout probability in the masked_lm pooler layers"})
+    max_positions: int = field(
+        default=512, metadata={"help": "n: number of positions, and the length the projections E/F map from"}
+    )
+    load_checkpoint_heads: bool = field(
+        default=False, metadata={"help": "(re-)register and load heads when loading checkpoints"}
+    )
+    untie_weights_roberta: bool = field(
+        default=False, metadata={"help": "untie weights between embeddings and classifiers"}
+    )
+    encoder_layerdrop: float = field(default=0.0, metadata={"help": "LayerDrop probability for encoder"})
+    encoder_layers_to_keep: Optional[str] = field(
+        default=None, metadata={"help": "which layers to *keep* when pruning as a comma-separated list"}
+    )
+    spectral_norm_classification_head: bool = field(
+        default=False, metadata={"help": "apply spectral normalization on the classification head"}
+    )
+    checkpoint_activations: bool = field(
+        default=False, metadata={"help": "checkpoint activations at each layer, trading compute for memory"}
+    )
+    offload_activations: bool = field(
+        default=False, metadata={"help": "with --checkpoint-activations, offload activations to CPU"}
+    )
+    min_params_to_wrap: int = field(
+        default=DEFAULT_MIN_PARAMS_TO_WRAP, metadata={"help": "minimum parameters for FSDP to wrap a layer"}
+    )
+
+    # Linformer (paper section 4)
+    compressed: int = field(
+        default=4, metadata={"help": "compression ratio R: k = max_positions // R (the original flag)"}
+    )
+    compressed_dim: int = field(
+        default=0, metadata={"help": "k, the projected length; takes precedence over --compressed (0: unset)"}
+    )
+    layer_compressed_dims: str = field(
+        default="", metadata={"help": 'non-uniform k: one value per layer, e.g. "256,256,128,..." (wins over both)'}
+    )
+    compress_sharing: ChoiceEnum(COMPRESS_SHARING) = field(
+        default="headwise",
+        metadata={
+            "help": "projection sharing: none (E_i, F_i per head), headwise (E, F per layer), "
+            "kv (E = F per layer), layerwise (one E for all layers, heads, keys and values)"
+        },
+    )
+    compress_type: ChoiceEnum(COMPRESS_TYPES) = field(
+        default="linear",
+        metadata={"help": "projection: linear (learned E), mean/max pooling or conv, with window and stride n/k"},
+    )
+    freeze_compress: int = field(default=0, metadata={"help": "1: freeze the projection parameters"})
+    shared_kv_compressed: int = field(default=0, metadata={"help": "legacy: 1 means --compress-sharing kv"})
+    shared_layer_kv_compressed: int = field(
+        default=0, metadata={"help": "legacy: 1 means --compress-sharing layerwise"}
+    )
+    ffn_chunk_size: int = field(
+        default=0,
+        metadata={"help": "inference only: run each FFN over chunks of this many positions (0: off); same outputs"},
+    )
+
+
+def resolve_linformer_args(args) -> List[int]:
+    """Check the Linformer settings, fold the legacy flags into ``compress_sharing`` and
+    return the projected length k of every layer. Raises ValueError naming the bad value."""
+    sharing = str(args.compress_sharing)
+    legacy = "layerwise" if args.shared_layer_kv_compressed else "kv" if args.shared_kv_compressed else None
+    if legacy is not None:
+        if sharing not in ("headwise", legacy):
+            raise ValueError(f"--compress-sharing {sharing} contradicts the legacy flag that means {legacy}")
+        sharing = legacy
+    if sharing not in COMPRESS_SHARING:
+        raise ValueError(f"unknown compress_sharing {sharing!r}; expected one of {COMPRESS_SHARING}")
+    if str(args.compress_type) not in COMPRESS_TYPES:
+        raise ValueError(f"unknown compress_type {args.compress_type!r}; expected one of {COMPRESS_TYPES}")
+    args.compress_sharing, args.compress_type = sharing, str(args.compress_type)
+
+    n, layers = args.max_positions, args.encoder_layers
+    if args.layer_compressed_dims:
+        try:
+            dims = [int(d) for d in str(args.layer_compressed_dims).split(",")]
+        except ValueError:
+            raise ValueError(f"--layer-compressed-dims must be comma-separated integers, got {args.layer_compressed_dims!r}")
+        if len(dims) != layers:
+            raise ValueError(f"--layer-compressed-dims has {len(dims)} values for {layers} encoder layers")
+        if sharing == "layerwise" and len(set(dims)) > 1:
+            raise ValueError("layerwise sharing uses one projection for all layers, so k cannot vary by layer")
+    elif args.compressed_dim > 0:
+        dims = [args.compressed_dim] * layers
+    else:
+        if args.compressed < 1:
+            raise ValueError(f"--compressed must be >= 1, got {args.compressed}")
+        dims = [n // args.compressed] * layers
+    for k in dims:
+        if not 0 < k <= n:
+            raise ValueError(f"projected length k={k} must be in 1..max_positions ({n})")
+        if args.compress_type != "linear" and n % k:
+            raise ValueError(f"--compress-type {args.compress_type} needs max_positions ({n}) divisible by k ({k})")
+    if args.ffn_chunk_size < 0:
+        raise ValueError(f"--ffn-chunk-size must be >= 0, got {args.ffn_chunk_size}")
+    return dims
+
+
+@register_model("linformer_roberta", dataclass=LinformerRobertaConfig)
+class LinformerRobertaModel(RobertaModel):
+    @classmethod
+    def add_args(cls, parser):
+        # RobertaModel hard-codes its argparse flags; take them from the dataclass instead,
+        # without defaults so that the architectures can still fill them in
+        gen_parser_from_dataclass(parser, LinformerRobertaConfig(), delete_default=True)
+
+    @classmethod
+    def build_model(cls, args, task):
+        if OmegaConf.is_config(args):
+            with open_dict(args):
+                return cls._build(args, task)
+        return cls._build(args, task)
+
+    @classmethod
+    def _build(cls, args, task):
+        roberta_base_architecture(args)  # the derived fields fairseq's TransformerEncoder reads
+        if getattr(args, "quant_noise_pq", 0):
+            raise ValueError("quantization noise (--quant-noise-pq) is not supported by Linformer attention")
+        dims = resolve_linformer_args(args)
+        return cls(args, LinformerRobertaEncoder(args, task.source_dictionary, dims))
+
+
+class LinformerRobertaEncoder(RobertaEncoder):
+    def __init__(self, args, dictionary, compressed_dims: List[int]):
+        self._compressed_dims = compressed_dims  # read by build_encoder during super().__init__
+        super().__init__(args, dictionary)
+
+    def build_encoder(self, args, dictionary, embed_tokens):
+        encoder = LinformerTransformerEncoder(args, dictionary, embed_tokens, self._compressed_dims)
+        encoder.apply(init_bert_params)
+        return encoder
+
+    def upgrade_state_dict_named(self, state_dict, name):
+        """Load checkpoints of the original fairseq Linformer example: drop its bookkeeping
+        buffers, the never-used bias of its layerwise projection, and the copies of that
+        projection it stored under every layer's compress_k/compress_v."""
+        super().upgrade_state_dict_named(state_dict, name)
+        prefix = f"{name}." if name else ""
+        state_dict.pop(f"{prefix}version", None)
+        state_dict.pop(f"{prefix}sentence_encoder.compress_layer.bias", None)
+        for i, layer in enumerate(self.sentence_encoder.layers):
+            attn = f"{prefix}sentence_encoder.layers.{i}.self_attn"
+            state_dict.pop(f"{prefix}sentence_encoder.layers.{i}.version", None)
+            state_dict.pop(f"{attn}.compress_k.bias", None)
+            state_dict.pop(f"{attn}.compress_v.bias", None)
+            v_key, k_key = f"{attn}.compress_v.weight", f"{attn}.compress_k.weight"
+            if layer.self_attn.compress_v is None and v_key in state_dict:
+                shared = state_dict.get(k_key)
+                if shared is None or not torch.equal(state_dict[v_key], shared):
+                    raise ValueError(
+                        f"{v_key}: the checkpoint has separate key and value projections, but the model "
+                        f"shares them (--compress-sharing {self.args.compress_sharing})"
+                    )
+                del state_dict[v_key]
+
+
+# The defaults live in LinformerRobertaConfig (registering the model with it also registers the
+# architecture "linformer_roberta"); the named architectures only set what differs from them.
+@register_model_architecture("linformer_roberta", "linformer_roberta_base")
+def linformer_roberta_base_architecture(args):
+    pass
+
+
+@register_model_architecture("linformer_roberta", "linformer_roberta_large")
+def linformer_roberta_large_architecture(args):
+    args.encoder_layers = utils.safe_getattr(args, "encoder_layers", 24)
+    args.encoder_embed_dim = utils.safe_getattr(args, "encoder_embed_dim", 1024)
+    args.encoder_ffn_embed_dim = utils.safe_getattr(args, "encoder_ffn_embed_dim", 4096)
+    args.encoder_attention_heads = utils.safe_getattr(args, "encoder_attention_heads", 16)

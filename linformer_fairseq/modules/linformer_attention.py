@@ -1,0 +1,244 @@
+"""Linformer self-attention (Wang et al. 2020): keys and values are projected along the
+sequence axis from n positions to k rows before attention, so attention costs O(n k).
+
+Shapes follow fairseq: activations are ``T x B x C`` (time, batch, channels), padding masks
+are ``B x T`` with True at pad positions. Padding must be on the right (fairseq's
+``RightPadDataset``, used by the masked_lm and sentence_prediction tasks).
+"""
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+COMPRESS_SHARING = ("none", "headwise", "kv", "layerwise")
+COMPRESS_TYPES = ("linear", "mean", "max", "conv")
+
+
+class SequenceProjection(nn.Module):
+    """The paper's E (or F): maps ``T x B x C`` to ``k' x B x C`` along the sequence axis.
+
+    Kinds (``n`` = max_positions, ``s = n // k``):
+
+    - ``linear``: a learned ``k x n`` matrix; an input of T < n positions uses its first T
+      columns, so the output always has k rows (the original fairseq behaviour).
+    - ``mean`` / ``max``: pooling over windows of s positions; ``conv``: a learned kernel of
+      width s applied with stride s (a block-structured E). An input of T positions gives
+      ``ceil(T / s)`` rows; rows whose window holds only padding are reported as empty.
+
+    With ``groups > 1`` (sharing level "none") the channels are split into ``groups`` heads and
+    each head gets its own matrix or kernel.
+
+    Pad positions never contribute: a sentence projects to the same rows however far its
+    batch pads it.
+    """
+
+    def __init__(self, kind: str, max_positions: int, k: int, groups: int = 1):
+        super().__init__()
+        assert kind in COMPRESS_TYPES, f"compress type must be one of {COMPRESS_TYPES}, got {kind!r}"
+        assert 0 < k <= max_positions, f"need 0 < k <= max_positions, got k={k}, n={max_positions}"
+        self.kind, self.max_positions, self.k, self.groups = kind, max_positions, k, groups
+        self.stride = max_positions // k
+        if kind == "linear":
+            shape = (k, max_positions) if groups == 1 else (groups, k, max_positions)
+            self.weight = nn.Parameter(torch.empty(shape))
+            # the original Linformer's init: xavier with fan_in n, fan_out k
+            bound = math.sqrt(6.0 / (max_positions + k)) / math.sqrt(2.0)
+            nn.init.uniform_(self.weight, -bound, bound)
+        elif kind == "conv":
+            assert max_positions % k == 0, (
+                f"compress type conv needs max_positions ({max_positions}) divisible by k ({k})"
+            )
+            self.weight = nn.Parameter(torch.full((groups, self.stride), 1.0 / self.stride))
+        else:
+            assert max_positions % k == 0, (
+                f"compress type {kind} needs max_positions ({max_positions}) divisible by k ({k})"
+            )
+            self.register_parameter("weight", None)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, n={self.max_positions}, k={self.k}, groups={self.groups}"
+
+    def forward(self, x: Tensor, pad_mask: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+        """x: ``T x B x C``; pad_mask: ``B x T`` (True at pads) or None.
+
+        Returns the projection ``k' x B x C`` and a ``B x k'`` mask of the rows that hold at
+        least one real token (None when every row does).
+        """
+        T, B, C = x.shape
+        if T > self.max_positions:
+            raise ValueError(
+                f"sequence length {T} exceeds max_positions {self.max_positions} of the "
+                f"Linformer projection (its E/F matrices are k x max_positions)"
+            )
+        fill = float("-inf") if self.kind == "max" else 0.0
+        if pad_mask is not None:
+            x = x.masked_fill(pad_mask.t().unsqueeze(-1), fill)
+        if self.kind == "linear":
+            return self._linear(x), None
+        return self._pooled(x, pad_mask, fill)
+
+    def _linear(self, x: Tensor) -> Tensor:
+        T, B, C = x.shape
+        E = self.weight[..., :T]
+        if self.groups == 1:
+            # T x B x C is T x (B*C) in memory: one GEMM, no permute
+            return torch.matmul(E, x.reshape(T, B * C)).view(self.k, B, C)
+        x = x.reshape(T, B, self.groups, C // self.groups)
+        return torch.einsum("gkt,tbgd->kbgd", E, x).reshape(self.k, B, C)
+
+    def _pooled(self, x: Tensor, pad_mask: Optional[Tensor], fill: float):
+        T, B, C = x.shape
+        s = self.stride
+        rows = -(-T // s)
+        tail = rows * s - T
+        windows = F.pad(x, (0, 0, 0, 0, 0, tail), value=fill).view(rows, s, B, C)
+        real = None
+        if pad_mask is not None:
+            real = F.pad(~pad_mask, (0, tail), value=False).view(B, rows, s)
+        if self.kind == "max":
+            out = windows.amax(dim=1)
+            if real is not None:  # windows of padding only would be -inf
+                out = out.masked_fill(out.isinf() & (out < 0), 0.0)
+        elif self.kind == "mean":
+            if real is None:
+                count = x.new_full((rows, 1, 1), float(s))
+                count[-1] = s - tail
+            else:
+                count = real.sum(-1).t().unsqueeze(-1).clamp(min=1).to(x.dtype)
+            out = windows.sum(dim=1) / count
+        else:  # conv
+            w = self.weight.to(x.dtype)
+            if self.groups == 1:
+                out = torch.einsum("wsbc,s->wbc", windows, w[0])
+            else:
+                g = windows.view(rows, s, B, self.groups, C // self.groups)
+                out = torch.einsum("wsbgd,gs->wbgd", g, w).reshape(rows, B, C)
+        return out, (real.any(-1) if real is not None else None)
+
+
+class LinformerMultiheadAttention(nn.Module):
+    """Multi-head self-attention over k projected keys and values.
+
+    Sharing of the projections (paper section 4): ``none`` (E_i, F_i per head), ``headwise``
+    (E, F per layer), ``kv`` (E = F per layer), ``layerwise`` (one E for every layer, given
+    as ``shared_projection``).
+
+    The projection is applied to the layer input *before* the key/value linear maps whenever
+    it is shared by heads (k rows go through W_K, W_V instead of n), and once for both keys and
+    values when they share it. With per-head projections (``none``) it is applied after the
+    linear maps, which is cheaper than projecting the input once per head. Both orders compute
+    ``K_i = (E_i X) W_i^K + b_i^K``.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        max_positions: int,
+        compressed_dim: int,
+        dropout: float = 0.0,
+        compress_sharing: str = "headwise",
+        compress_type: str = "linear",
+        shared_projection: Optional[SequenceProjection] = None,
+        freeze_compress: bool = False,
+    ):
+        super().__init__()
+        assert embed_dim % num_heads == 0, (
+            f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
+        )
+        assert compress_sharing in COMPRESS_SHARING, (
+            f"compress sharing must be one of {COMPRESS_SHARING}, got {compress_sharing!r}"
+        )
+        assert (compress_sharing == "layerwise") == (shared_projection is not None), (
+            "layerwise sharing needs the shared projection, and only layerwise takes one"
+        )
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.head_dim = embed_dim // num_heads
+        self.max_positions, self.dropout = max_positions, dropout
+        self.compress_sharing = compress_sharing
+
+        self.q_proj = nn.Linear(embed_dim, embed_dim)
+        self.k_proj = nn.Linear(embed_dim, embed_dim)
+        self.v_proj = nn.Linear(embed_dim, embed_dim)
+        self.out_proj = nn.Linear(embed_dim, embed_dim)
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.xavier_uniform_(proj.weight, gain=1 / math.sqrt(2))
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        nn.init.zeros_(self.out_proj.bias)
+
+        def projection():
+            groups = num_heads if compress_sharing == "none" else 1
+            return SequenceProjection(compress_type, max_positions, compressed_dim, groups)
+
+        self.compress_k = shared_projection or projection()
+        self.compress_v = projection() if compress_sharing in ("none", "headwise") else None
+        if freeze_compress:
+            for p in self.compress_parameters():
+                p.requires_grad_(False)
+
+    def compress_parameters(self):
+        return [m.weight for m in (self.compress_k, self.compress_v) if m is not None and m.weight is not None]
+
+    def project_keys_values(self, x: Tensor, pad_mask: Optional[Tensor]):
+        """Projected keys and values, ``k' x B x C`` each, and the ``B x k'`` row mask."""
+        if self.compress_sharing == "none":
+            k, kept = self.compress_k(F.linear(x, self.k_proj.weight), pad_mask)
+            v, _ = self.compress_v(F.linear(x, self.v_proj.weight), pad_mask)
+            return k + self.k_proj.bias, v + self.v_proj.bias, kept
+        xk, kept = self.compress_k(x, pad_mask)
+        xv = xk if self.compress_v is None else self.compress_v(x, pad_mask)[0]
+        return self.k_proj(xk), self.v_proj(xv), kept
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Optional[Tensor] = None,
+        value: Optional[Tensor] = None,
+        key_padding_mask: Optional[Tensor] = None,
+        need_weights: bool = False,
+        attn_mask: Optional[Tensor] = None,
+        need_head_weights: bool = False,
+        **unused,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        """query: ``T x B x C`` (key and value, if given, must be the query itself);
+        key_padding_mask: ``B x T``, True at pads.
+
+        Returns the output ``T x B x C`` and, with ``need_weights``, the context-mapping matrix
+        over the projected keys: ``B x T x k'`` averaged over heads, or ``H x B x T x k'`` with
+        ``need_head_weights``.
+        """
+        if attn_mask is not None:
+            raise ValueError(
+                "LinformerMultiheadAttention does not take an attn_mask: the projection mixes "
+                "all positions into each of its k rows, so attention cannot be causal or "
+                "masked per position. Use fairseq's MultiheadAttention for decoders."
+            )
+        if (key is not None and key is not query) or (value is not None and value is not query):
+            raise ValueError("LinformerMultiheadAttention is self-attention only: key and value must be the query")
+        T, B, C = query.shape
+        assert C == self.embed_dim, f"expected {self.embed_dim} channels, got {C}"
+        H, D = self.num_heads, self.head_dim
+
+        k, v, kept = self.project_keys_values(query, key_padding_mask)
+        rows = k.size(0)
+        # B x H x len x D views; SDPA accepts these strides without copies
+        q = self.q_proj(query).view(T, B, H, D).permute(1, 2, 0, 3)
+        k = k.view(rows, B, H, D).permute(1, 2, 0, 3)
+        v = v.view(rows, B, H, D).permute(1, 2, 0, 3)
+        mask = kept.view(B, 1, 1, rows) if kept is not None else None
+        dropout = self.dropout if self.training else 0.0
+
+        weights = None
+        if need_weights or need_head_weights:
+            scores = torch.matmul(q, k.transpose(-1, -2)) * (D ** -0.5)
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            weights = torch.softmax(scores.float(), dim=-1).type_as(q)
+            out = torch.matmul(F.dropout(weights, dropout, self.training), v)
+            weights = weights.transpose(0, 1) if need_head_weights else weights.mean(dim=1)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        out = out.permute(2, 0, 1, 3).reshape(T, B, C)
+        return self.out_proj(out), weights

@@ -1,0 +1,117 @@
+"""The Linformer encoder: fairseq's TransformerEncoder with Linformer self-attention layers,
+per-layer projected dimensions, layerwise-shared projections and optional FFN chunking."""
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from fairseq.distributed import fsdp_wrap
+from fairseq.models.transformer import TransformerConfig, TransformerEncoderBase
+from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
+
+from .linformer_attention import LinformerMultiheadAttention, SequenceProjection
+
+
+class LinformerEncoderLayer(TransformerEncoderLayerBase):
+    """A transformer encoder layer whose self-attention is Linformer attention.
+
+    ``ffn_chunk_size > 0`` runs the feed-forward block in inference over chunks of that many
+    positions: the ``T x B x ffn_dim`` intermediate is the peak-memory term once attention is
+    O(n k), and chunking never materialises it whole. Outputs are identical.
+    """
+
+    def __init__(self, cfg, args, compressed_dim: int, shared_projection: Optional[SequenceProjection]):
+        self._linformer = (args, compressed_dim, shared_projection)  # read by build_self_attention
+        super().__init__(cfg)
+        self.ffn_chunk_size = args.ffn_chunk_size
+
+    def build_self_attention(self, embed_dim, cfg):
+        args, compressed_dim, shared_projection = self._linformer
+        del self._linformer
+        return LinformerMultiheadAttention(
+            embed_dim,
+            cfg.encoder.attention_heads,
+            max_positions=args.max_positions,
+            compressed_dim=compressed_dim,
+            dropout=cfg.attention_dropout,
+            compress_sharing=args.compress_sharing,
+            compress_type=args.compress_type,
+            shared_projection=shared_projection,
+            freeze_compress=bool(args.freeze_compress),
+        )
+
+    def feed_forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.activation_dropout_module(self.activation_fn(self.fc1(x))))
+
+    def forward(self, x: Tensor, encoder_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor] = None):
+        """x: ``T x B x C``; encoder_padding_mask: ``B x T``, True at pads."""
+        residual = x
+        if self.normalize_before:
+            x = self.self_attn_layer_norm(x)
+        x, _ = self.self_attn(query=x, key_padding_mask=encoder_padding_mask, attn_mask=attn_mask)
+        x = self.residual_connection(self.dropout_module(x), residual)
+        if not self.normalize_before:
+            x = self.self_attn_layer_norm(x)
+
+        residual = x
+        if self.normalize_before:
+            x = self.final_layer_norm(x)
+        chunk = self.ffn_chunk_size
+        if chunk > 0 and not self.training and x.size(0) > chunk:
+            out = torch.empty_like(x)
+            for start in range(0, x.size(0), chunk):
+                out[start : start + chunk] = self.feed_forward(x[start : start + chunk])
+            x = out
+        else:
+            x = self.feed_forward(x)
+        x = self.residual_connection(self.dropout_module(x), residual)
+        if not self.normalize_before:
+            x = self.final_layer_norm(x)
+        return x
+
+
+class LinformerTransformerEncoder(TransformerEncoderBase):
+    """TransformerEncoder with one LinformerEncoderLayer per entry of ``compressed_dims``.
+
+    With layerwise sharing, the single projection lives here as ``compress_layer`` and every
+    layer's ``self_attn.compress_k`` refers to it (the original example's state-dict layout).
+    """
+
+    def __init__(self, args, dictionary, embed_tokens, compressed_dims: List[int]):
+        self.args = args
+        self._layer_dims = iter(compressed_dims)  # consumed by build_encoder_layer, in order
+        super().__init__(TransformerConfig.from_namespace(args), dictionary, embed_tokens)
+        del self._layer_dims
+
+    def build_encoder_layer(self, cfg):
+        args = self.args
+        compressed_dim = next(self._layer_dims)
+        shared = None
+        if args.compress_sharing == "layerwise":
+            if not hasattr(self, "compress_layer"):
+                self.compress_layer = SequenceProjection(args.compress_type, args.max_positions, compressed_dim)
+                if args.freeze_compress and self.compress_layer.weight is not None:
+                    self.compress_layer.weight.requires_grad_(False)
+            shared = self.compress_layer
+        layer = LinformerEncoderLayer(cfg, args, compressed_dim, shared)
+        # same wrapping as fairseq's own encoder, so --checkpoint-activations and FSDP apply
+        if cfg.checkpoint_activations:
+            layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
+        min_params_to_wrap = cfg.min_params_to_wrap if not cfg.checkpoint_activations else 0
+        return fsdp_wrap(layer, min_num_params=min_params_to_wrap)
+
+    def forward(self, src_tokens, src_lengths=None, return_all_hiddens: bool = False, token_embeddings=None):
+        """src_tokens: ``B x T``, right-padded. See TransformerEncoderBase.forward."""
+        T = src_tokens.size(1)
+        if T > self.args.max_positions:
+            raise ValueError(
+                f"input of length {T} is longer than max_positions {self.args.max_positions}; "
+                f"truncate it (e.g. --truncate-sequence / --shorten-method truncate) or train with a larger --max-positions"
+            )
+        if src_tokens[:, 0].eq(self.padding_idx).any():
+            raise ValueError(
+                "Linformer needs right-padded inputs (the projection ties E's columns to "
+                "positions); got a batch with padding at position 0 (left padding?)"
+            )
+        return super().forward(src_tokens, src_lengths, return_all_hiddens, token_embeddings)

@@ -1,0 +1,189 @@
+"""Numerics and invariants of the Linformer attention module and the linformer_roberta model."""
+import argparse
+import dataclasses
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+from fairseq.data import Dictionary
+from fairseq.modules import MultiheadAttention
+
+import linformer_fairseq  # noqa: F401  (registers the model)
+from linformer_fairseq.models.linformer_roberta import LinformerRobertaConfig, LinformerRobertaModel
+from linformer_fairseq.modules import COMPRESS_SHARING, COMPRESS_TYPES, LinformerMultiheadAttention
+
+VOCAB = 50
+
+
+def build_model(**overrides):
+    """A linformer_roberta built the way fairseq builds it from parsed flags."""
+    small = dict(encoder_layers=2, encoder_embed_dim=32, encoder_ffn_embed_dim=64, encoder_attention_heads=4,
+                 max_positions=32, compressed_dim=8, dropout=0.0, attention_dropout=0.0)
+    small.update(overrides)
+    args = argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(LinformerRobertaConfig)})
+    vars(args).update(small)
+    dictionary = Dictionary()
+    for i in range(VOCAB - len(dictionary)):
+        dictionary.add_symbol(f"w{i}")
+    torch.manual_seed(0)
+    return LinformerRobertaModel.build_model(args, SimpleNamespace(source_dictionary=dictionary)).eval()
+
+
+def tokens(length, batch=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(4, VOCAB, (batch, length), generator=g)
+    t[:, 0] = 0  # <s>
+    return t
+
+
+def features(model, src):
+    return model(src, features_only=True)[0]
+
+
+def test_exact_against_fairseq_attention_when_k_equals_n_and_projections_are_identity():
+    n, C, H, B = 12, 16, 4, 3
+    torch.manual_seed(0)
+    ref = MultiheadAttention(C, H, self_attention=True).eval()
+    lin = LinformerMultiheadAttention(C, H, max_positions=n, compressed_dim=n).eval()
+    for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        getattr(lin, name).load_state_dict(getattr(ref, name).state_dict())
+    with torch.no_grad():
+        lin.compress_k.weight.copy_(torch.eye(n))
+        lin.compress_v.weight.copy_(torch.eye(n))
+    x = torch.randn(n, B, C)
+    expected, _ = ref(x, x, x, need_weights=False)
+    got, _ = lin(x)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind,sharing", itertools.product(COMPRESS_TYPES, COMPRESS_SHARING))
+def test_padding_invariance_and_backward(kind, sharing):
+    """A sentence's outputs at its real tokens do not depend on how far its batch pads it,
+    at T < n and T = n; every kind trains (finite gradients reach the projections)."""
+    model = build_model(compress_type=kind, compress_sharing=sharing)
+    n = model.encoder.args.max_positions
+    for short_len, batch_len in ((11, 20), (19, n)):
+        short, long_ = tokens(short_len, seed=1), tokens(batch_len, seed=2)
+        batch = torch.full((2, batch_len), model.encoder.dictionary.pad())
+        batch[0, :short_len], batch[1] = short[0], long_[0]
+        with torch.no_grad():
+            alone, padded = features(model, short), features(model, batch)
+        torch.testing.assert_close(padded[0, :short_len], alone[0], atol=1e-5, rtol=0)
+
+    model.train()
+    loss = features(model, batch).pow(2).mean()
+    loss.backward()
+    grads = [p.grad for p in model.encoder.sentence_encoder.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    for attn in (layer.self_attn for layer in model.encoder.sentence_encoder.layers):
+        for p in attn.compress_parameters():
+            assert p.grad.abs().sum() > 0, f"{kind}/{sharing}: no gradient reaches the projection"
+
+
+@pytest.mark.parametrize("sharing,expected", [("none", 288), ("headwise", 24), ("kv", 12), ("layerwise", 1)])
+def test_distinct_projection_matrices_for_12_layers_12_heads(sharing, expected):
+    k, n = 4, 16
+    model = build_model(compress_sharing=sharing, encoder_layers=12, encoder_attention_heads=12,
+                        encoder_embed_dim=24, encoder_ffn_embed_dim=24, max_positions=n, compressed_dim=k)
+    modules = {}
+    for layer in model.encoder.sentence_encoder.layers:
+        for proj in (layer.self_attn.compress_k, layer.self_attn.compress_v):
+            if proj is not None:
+                modules[id(proj)] = proj
+    assert sum(m.groups for m in modules.values()) == expected
+    compress_params = sum(p.numel() for name, p in model.named_parameters() if "compress" in name)
+    assert compress_params == expected * k * n
+
+
+def test_legacy_flags_map_to_sharing_levels():
+    assert build_model(shared_kv_compressed=1).encoder.args.compress_sharing == "kv"
+    assert build_model(shared_layer_kv_compressed=1).encoder.args.compress_sharing == "layerwise"
+    with pytest.raises(ValueError, match="contradicts"):
+        build_model(shared_kv_compressed=1, compress_sharing="none")
+
+
+def test_per_layer_compressed_dims_are_honoured():
+    model = build_model(layer_compressed_dims="16,4", compress_type="linear")
+    layers = model.encoder.sentence_encoder.layers
+    assert [layer.self_attn.compress_k.k for layer in layers] == [16, 4]
+    x = torch.randn(10, 2, 32)
+    for layer, k in zip(layers, (16, 4)):
+        _, weights = layer.self_attn(x, need_weights=True, need_head_weights=True)
+        assert weights.shape == (4, 2, 10, k)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(4, 2, 10))
+
+
+def test_compressed_ratio_and_freeze():
+    model = build_model(compressed_dim=0, compressed=4, freeze_compress=1)
+    attn = model.encoder.sentence_encoder.layers[0].self_attn
+    assert attn.compress_k.weight.shape == (8, 32)  # k = 32 // 4
+    assert not any(p.requires_grad for p in attn.compress_parameters())
+    assert attn.q_proj.weight.requires_grad
+
+
+def test_ffn_chunking_gives_identical_outputs():
+    src = tokens(30, batch=2)
+    with torch.no_grad():
+        full = features(build_model(), src)
+        chunked = features(build_model(ffn_chunk_size=7), src)
+    torch.testing.assert_close(chunked, full, atol=0, rtol=0)
+
+
+def test_bf16_forward_on_cpu_tracks_fp32():
+    src = tokens(24, batch=2)
+    model = build_model()
+    with torch.no_grad():
+        ref = features(model, src)
+        out = features(model.to(torch.bfloat16), src)
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_checkpoint_activations_gives_same_gradients():
+    src = tokens(20, batch=2)
+    grads = []
+    for checkpointing in (False, True):
+        model = build_model(checkpoint_activations=checkpointing).train()
+        layers = model.encoder.sentence_encoder.layers
+        assert all(hasattr(layer, "precheckpoint_forward") == checkpointing for layer in layers)
+        features(model, src).pow(2).mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    plain, ckpt = grads
+    assert plain.keys() == ckpt.keys()
+    for name, grad in ckpt.items():
+        torch.testing.assert_close(grad, plain[name], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(compressed_dim=64), "k=64 must be in 1..max_positions"),
+        (dict(compress_sharing="diagonal"), "unknown compress_sharing"),
+        (dict(compress_type="fft"), "unknown compress_type"),
+        (dict(layer_compressed_dims="8,8,8"), "3 values for 2 encoder layers"),
+        (dict(layer_compressed_dims="8,x"), "comma-separated integers"),
+        (dict(compress_type="mean", compressed_dim=5), r"needs max_positions \(32\) divisible by k \(5\)"),
+        (dict(compress_sharing="layerwise", layer_compressed_dims="8,4"), "cannot vary by layer"),
+    ],
+)
+def test_bad_settings_fail_at_build_with_a_clear_message(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        build_model(**overrides)
+
+
+def test_runtime_errors_name_the_problem():
+    model = build_model()
+    with pytest.raises(ValueError, match="length 33 is longer than max_positions 32"):
+        model(tokens(33))
+    left_padded = tokens(10, batch=2)
+    left_padded[0, :3] = model.encoder.dictionary.pad()
+    with pytest.raises(ValueError, match="right-padded"):
+        model(left_padded)
+    attn = model.encoder.sentence_encoder.layers[0].self_attn
+    x = torch.randn(6, 1, 32)
+    causal = torch.triu(torch.full((6, 6), float("-inf")), 1)
+    with pytest.raises(ValueError, match="cannot be causal"):
+        attn(x, attn_mask=causal)
+    with pytest.raises(ValueError, match="exceeds max_positions 32"):
+        attn(torch.randn(40, 1, 32))

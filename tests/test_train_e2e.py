@@ -1,0 +1,90 @@
+"""End to end through fairseq's own entry points on the bundled real text: fairseq-train with
+--user-dir and --arch linformer_roberta_base (shrunk by flags) learns, resumes from
+checkpoint_last.pt, loads through the hub interface; fairseq-hydra-train runs the same model
+from a yaml config."""
+import re
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+from conftest import REPO, run
+
+import linformer_fairseq  # noqa: F401
+
+SMALL = dict(encoder_layers=2, encoder_embed_dim=64, encoder_ffn_embed_dim=128, encoder_attention_heads=4,
+             max_positions=64, compressed_dim=16, compress_sharing="kv")
+
+
+def flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def train_cmd(data, save_dir, max_update):
+    model_flags = [str(x) for key, value in SMALL.items() for x in (flag(key), value)]
+    return [
+        sys.executable, "-m", "fairseq_cli.train", data, "--user-dir", REPO / "linformer_fairseq",
+        "--arch", "linformer_roberta_base", "--task", "masked_lm", "--criterion", "masked_lm",
+        *model_flags, "--tokens-per-sample", "64", "--batch-size", "16",
+        "--optimizer", "adam", "--lr", "1e-3", "--lr-scheduler", "polynomial_decay",
+        "--warmup-updates", "5", "--total-num-update", "60", "--max-update", str(max_update),
+        "--validate-interval-updates", "15", "--save-interval-updates", "15", "--no-epoch-checkpoints",
+        "--save-dir", save_dir, "--log-format", "simple", "--log-interval", "5", "--cpu",
+        "--num-workers", "0", "--seed", "3",
+    ]
+
+
+def valid_losses(log):
+    return [(int(u), float(l)) for l, u in re.findall(r"valid on 'valid' subset \| loss ([\d.]+) .*? num_updates (\d+)", log)]
+
+
+def test_fairseq_train_learns_resumes_and_loads_through_the_hub(wikitext_bin, tmp_path):
+    save = tmp_path / "ckpt"
+    first = run(train_cmd(wikitext_bin, save, 30)).stdout
+    losses = valid_losses(first)
+    assert [u for u, _ in losses][-1] == 30, losses
+    assert losses[-1][1] < losses[0][1] - 0.3, f"validation loss did not fall: {losses}"
+
+    # checkpoint_last.pt is picked up (--restore-file's default) under torch's safe loader
+    second = run(train_cmd(wikitext_bin, save, 60)).stdout
+    assert re.search(r"Loaded checkpoint .*checkpoint_last\.pt \(epoch \d+ @ 30 updates\)", second), second[-3000:]
+    resumed = valid_losses(second)
+    assert [u for u, _ in resumed] == [45, 60], resumed
+    assert resumed[-1][1] < losses[-1][1], f"loss after resuming did not keep falling: {losses} then {resumed}"
+    steps = [int(u) for u in re.findall(r"train_inner \| .*?num_updates=(\d+)", second)]
+    assert steps == list(range(35, 61, 5)), f"resumed run repeated or skipped updates: {steps}"
+
+    from linformer_fairseq.models.linformer_roberta import LinformerRobertaModel
+
+    hub = LinformerRobertaModel.from_pretrained(str(save), "checkpoint_last.pt", str(wikitext_bin), bpe=None).eval()
+    assert hub.model.encoder.args.compress_sharing == "kv"
+    tokens = hub.task.source_dictionary.encode_line("the game was released in japan", add_if_not_exist=False).long()
+    tokens = torch.cat([tokens.new_tensor([0]), tokens])
+    state = torch.load(save / "checkpoint_last.pt")["model"]
+    assert torch.equal(hub.model.state_dict()["encoder.sentence_encoder.embed_tokens.weight"],
+                       state["encoder.sentence_encoder.embed_tokens.weight"])
+    assert hub.extract_features(tokens).shape == (1, len(tokens), 64)
+
+
+def test_fairseq_hydra_train_with_yaml(wikitext_bin, tmp_path):
+    config = {
+        "common": {"user_dir": str(REPO / "linformer_fairseq"), "cpu": True, "seed": 3, "log_format": "simple",
+                   "log_interval": 5},
+        "task": {"_name": "masked_lm", "data": str(wikitext_bin), "tokens_per_sample": 64},
+        "criterion": "masked_lm",
+        "dataset": {"batch_size": 16, "num_workers": 0, "validate_interval_updates": 20},
+        "optimizer": {"_name": "adam"},
+        "lr_scheduler": {"_name": "polynomial_decay", "warmup_updates": 5, "total_num_update": 40},
+        "optimization": {"max_update": 40, "lr": [0.001]},
+        "checkpoint": {"save_dir": str(tmp_path / "ckpt"), "no_epoch_checkpoints": True},
+        "model": {"_name": "linformer_roberta", **SMALL, "compress_sharing": "layerwise", "compress_type": "mean"},
+    }
+    (tmp_path / "pretrain.yaml").write_text(yaml.safe_dump(config))
+    log = run(["fairseq-hydra-train", "--config-dir", tmp_path, "--config-name", "pretrain",
+               f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=tmp_path).stdout
+    losses = valid_losses(log)
+    assert [u for u, _ in losses] == [20, 40], log[-3000:]
+    assert losses[-1][1] < losses[0][1], losses
+    state = torch.load(tmp_path / "ckpt" / "checkpoint_last.pt")
+    assert state["cfg"]["model"]["compress_sharing"] == "layerwise"
+    assert state["cfg"]["model"]["compress_type"] == "mean"

@@ -114,9 +114,10 @@ def test_per_layer_compressed_dims_are_honoured():
         torch.testing.assert_close(weights.sum(-1), torch.ones(4, 2, 10))
 
 
-def test_compressed_ratio_and_freeze():
-    model = build_model(compressed_dim=0, compressed=4, freeze_compress=1)
+def test_compressed_ratio_freeze_and_attention_dropout():
+    model = build_model(compressed_dim=0, compressed=4, freeze_compress=1, dropout=0.0, attention_dropout=0.25)
     attn = model.encoder.sentence_encoder.layers[0].self_attn
+    assert attn.dropout == 0.25
     assert attn.compress_k.weight.shape == (8, 32)  # k = 32 // 4
     assert not any(p.requires_grad for p in attn.compress_parameters())
     assert attn.q_proj.weight.requires_grad
@@ -130,13 +131,15 @@ def test_ffn_chunking_gives_identical_outputs():
     torch.testing.assert_close(chunked, full, atol=0, rtol=0)
 
 
-def test_bf16_forward_on_cpu_tracks_fp32():
+@pytest.mark.parametrize("dtype,kind", [(torch.bfloat16, "linear"), (torch.bfloat16, "max"), (torch.float16, "mean")])
+def test_half_precision_forward_on_cpu_tracks_fp32(dtype, kind):
     src = tokens(24, batch=2)
-    model = build_model()
+    src[1, 17:] = 1  # padding
+    model = build_model(compress_type=kind)
     with torch.no_grad():
         ref = features(model, src)
-        out = features(model.to(torch.bfloat16), src)
-    assert out.dtype == torch.bfloat16
+        out = features(model.to(dtype), src)
+    assert out.dtype == dtype
     assert (out.float() - ref).abs().max() < 0.1 * ref.abs().max()
 
 

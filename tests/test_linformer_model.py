@@ -190,3 +190,18 @@ def test_runtime_errors_name_the_problem():
         attn(x, attn_mask=causal)
     with pytest.raises(ValueError, match="exceeds max_positions 32"):
         attn(torch.randn(40, 1, 32))
+
+
+@pytest.mark.parametrize("arch,layers,dim", [("linformer_roberta_base", 12, 768), ("linformer_roberta_large", 24, 1024),
+                                             ("linformer_roberta", 12, 768)])
+def test_architectures_from_fairseq_train_flags(arch, layers, dim, tmp_path):
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, [str(tmp_path), "--user-dir", "linformer_fairseq", "--arch", arch,
+                                                "--task", "masked_lm", "--criterion", "masked_lm",
+                                                "--compressed-dim", "64", "--compress-sharing", "layerwise"])
+    model_cfg = convert_namespace_to_omegaconf(args).model
+    assert (model_cfg.encoder_layers, model_cfg.encoder_embed_dim) == (layers, dim)
+    assert (model_cfg.max_positions, model_cfg.compressed_dim, model_cfg.compress_sharing) == (512, 64, "layerwise")

@@ -41,8 +41,16 @@ class LinformerEncoderLayer(TransformerEncoderLayerBase):
             freeze_compress=bool(args.freeze_compress),
         )
 
-    def feed_forward(self, x: Tensor) -> Tensor:
-        return self.fc2(self.activation_dropout_module(self.activation_fn(self.fc1(x))))
+    def feed_forward_block(self, x: Tensor) -> Tensor:
+        """The position-wise half of the layer: FFN, dropout, residual, layer norm."""
+        residual = x
+        if self.normalize_before:
+            x = self.final_layer_norm(x)
+        x = self.fc2(self.activation_dropout_module(self.activation_fn(self.fc1(x))))
+        x = self.residual_connection(self.dropout_module(x), residual)
+        if not self.normalize_before:
+            x = self.final_layer_norm(x)
+        return x
 
     def forward(self, x: Tensor, encoder_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor] = None):
         """x: ``T x B x C``; encoder_padding_mask: ``B x T``, True at pads."""
@@ -54,21 +62,15 @@ class LinformerEncoderLayer(TransformerEncoderLayerBase):
         if not self.normalize_before:
             x = self.self_attn_layer_norm(x)
 
-        residual = x
-        if self.normalize_before:
-            x = self.final_layer_norm(x)
         chunk = self.ffn_chunk_size
         if chunk > 0 and not self.training and x.size(0) > chunk:
+            # the whole block is position-wise, so each chunk goes straight into the output
+            # and no full-size temporary (FFN intermediate, residual sum, norm) is ever built
             out = torch.empty_like(x)
             for start in range(0, x.size(0), chunk):
-                out[start : start + chunk] = self.feed_forward(x[start : start + chunk])
-            x = out
-        else:
-            x = self.feed_forward(x)
-        x = self.residual_connection(self.dropout_module(x), residual)
-        if not self.normalize_before:
-            x = self.final_layer_norm(x)
-        return x
+                out[start : start + chunk] = self.feed_forward_block(x[start : start + chunk])
+            return out
+        return self.feed_forward_block(x)
 
 
 class LinformerTransformerEncoder(TransformerEncoderBase):

@@ -14,5 +14,5 @@ setup(
         "sentencepiece",
         "tensorboard",
     ],
-    extras_require={"dev": ["pytest", "matplotlib"]},
+    extras_require={"dev": ["pytest", "matplotlib", "hydra-submitit-launcher"]},
 )

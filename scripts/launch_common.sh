@@ -1,0 +1,125 @@
+# shellcheck shell=bash disable=SC2034  # the variables set here are read by the scripts that source it
+# Sourced by scripts/pretrain.sh and scripts/finetune.sh: their shared options, the batch
+# arithmetic (scripts/launch_helper.py) and the fairseq-hydra-train command they print or run.
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PYTHON=${PYTHON:-python3}
+GPUS='' NODES=1 CPU=0 BATCH_SIZE='' GLOBAL_BATCH='' SAVE_DIR='' DRY_RUN=0 PORT=''
+OVERRIDES=()
+
+COMMON_HELP="  --gpus N            GPUs per node (default: all visible ones)
+  --cpu               train on the CPU in one process (smoke runs; fp32, add common.bf16=true for bf16)
+  --batch-size B      sequences per GPU per step (default: the config's dataset.batch_size)
+  --global-batch G    sequences per update (default: the config's, e.g. 2048 for pretraining);
+                      update_freq = G / (B x world size) must be a whole number
+  --save-dir DIR      checkpoints, hydra_train.log, tensorboard/ and .hydra/ go here; relaunching
+                      with the same DIR resumes from DIR/checkpoint_last.pt
+  --dry-run           print the plan (world size, ranks, update_freq, paths) and the exact
+                      command, run nothing
+  -h, --help          this help
+  OVERRIDE ...        hydra overrides for fairseq-hydra-train, e.g. optimization.max_update=1000
+                      (+run_config=local, model.encoder_layers=2, common.bf16=true, ...)"
+
+die() {
+    echo "error: $*" >&2
+    exit 2
+}
+
+positive_int() {  # NAME VALUE: VALUE must be a whole number >= 1
+    [[ $2 =~ ^[1-9][0-9]*$ ]] || die "$1 needs a whole number >= 1, got '$2'"
+}
+
+# hydra reads an unquoted value with ',' or '=' as a list or worse: quote paths
+hydra_quote() {
+    local escaped=${1//\\/\\\\}
+    printf "'%s'" "${escaped//\'/\\\'}"
+}
+
+# common_option ARGS...: if $1 is a shared option, take it and set CONSUMED to the words used
+common_option() {
+    case $1 in
+        --gpus | --nodes | --batch-size | --global-batch | --distributed-port)
+            (($# >= 2)) || die "$1 needs a value"
+            positive_int "$1" "$2"
+            case $1 in
+                --gpus) GPUS=$2 ;; --nodes) NODES=$2 ;; --batch-size) BATCH_SIZE=$2 ;;
+                --global-batch) GLOBAL_BATCH=$2 ;; --distributed-port) PORT=$2 ;;
+            esac
+            CONSUMED=2 ;;
+        --save-dir)
+            (($# >= 2)) || die "$1 needs a value"
+            SAVE_DIR=$2 CONSUMED=2 ;;
+        --cpu) CPU=1 CONSUMED=1 ;;
+        --dry-run) DRY_RUN=1 CONSUMED=1 ;;
+        -*) die "unknown option $1 (see --help)" ;;
+        *) return 1 ;;
+    esac
+}
+
+set_world_size() {
+    if ((CPU)); then
+        [[ -z $GPUS && $NODES == 1 ]] || die "--cpu runs one process: drop --gpus/--nodes"
+        WORLD=1
+        return
+    fi
+    if [[ -z $GPUS ]]; then
+        GPUS=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
+        ((GPUS > 0)) || die "no GPU visible: pass --gpus N, or --cpu for a CPU smoke run"
+    fi
+    if ((NODES > 1)) && ! ((DRY_RUN)); then  # one process per GPU on every node: srun's job
+        [[ -n ${SLURM_JOB_ID:-} && -n $PORT ]] ||
+            die "--nodes $NODES needs srun and --distributed-port: use scripts/slurm/pretrain.sbatch"
+    fi
+    WORLD=$((NODES * GPUS))
+}
+
+print_plan() {  # WORLD BATCH UPDATE_FREQ GLOBAL_BATCH
+    if ((CPU)); then
+        echo "plan: CPU, world size 1 (rank 0)"
+    else
+        echo "plan: $NODES node(s) x $GPUS GPU(s) = world size $1"
+        local node
+        for ((node = 0; node < NODES; node++)); do
+            echo "  node $node: ranks $((node * GPUS))-$((node * GPUS + GPUS - 1))"
+        done
+    fi
+    echo "batch: $2 sequences per GPU x update_freq $3 x world size $1 = global batch $4"
+    echo "save dir: $SAVE_DIR (hydra_train.log, tensorboard/, .hydra/)"
+    if [[ -f $SAVE_DIR/checkpoint_last.pt ]]; then
+        echo "resume: from $SAVE_DIR/checkpoint_last.pt"
+    fi
+}
+
+# launch CONFIG_DIR CONFIG: plan the batch, then print and (unless --dry-run) run the training
+launch() {
+    local config_dir=$1 config=$2 plan batch update_freq global_batch
+    set_world_size
+    plan=$("$PYTHON" "$REPO/scripts/launch_helper.py" batch "$config_dir" "$config" \
+        "${OVERRIDES[@]}" --world-size "$WORLD" \
+        ${BATCH_SIZE:+--batch-size "$BATCH_SIZE"} ${GLOBAL_BATCH:+--global-batch "$GLOBAL_BATCH"})
+    read -r batch update_freq global_batch <<<"$plan"
+    SAVE_DIR=$(realpath -m "$SAVE_DIR")  # every node and rank must see the same path
+
+    local cmd=("$PYTHON" -m fairseq_cli.hydra_train --config-dir "$config_dir" --config-name "$config"
+        "common.user_dir=$(hydra_quote "$REPO/linformer_fairseq")"
+        "checkpoint.save_dir=$(hydra_quote "$SAVE_DIR")"
+        "dataset.batch_size=$batch" "optimization.update_freq=[$update_freq]"
+        "distributed_training.distributed_world_size=$WORLD")
+    if ((CPU)); then
+        cmd+=(common.cpu=true common.fp16=false)
+    fi
+    if [[ -n $PORT ]]; then
+        cmd+=("distributed_training.distributed_port=$PORT")
+    fi
+    cmd+=("${OVERRIDES[@]}")
+
+    if [[ ${SLURM_PROCID:-0} == 0 ]]; then  # under srun, one copy of the plan is enough
+        print_plan "$WORLD" "$batch" "$update_freq" "$global_batch"
+        echo "command: $(printf '%q ' "${cmd[@]}")"
+    fi
+    if ((DRY_RUN)); then
+        return
+    fi
+    mkdir -p "$SAVE_DIR"
+    exec "${cmd[@]}"
+}

@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""The arithmetic and look-ups behind the training launchers (scripts/pretrain.sh,
+scripts/finetune.sh, scripts/slurm/*.sbatch), kept in one place.
+
+  batch  CONFIG_DIR CONFIG [OVERRIDE ...]   per-GPU batch, update_freq and global batch that
+         keep the config's global batch (dataset.batch_size x update_freq x
+         distributed_world_size, e.g. 16 x 2 x 64 = 2048 for pretraining) at --world-size GPUs
+  model  CHECKPOINT                        the hydra overrides that rebuild a checkpoint's model
+                                           (architecture, k, sharing, max_positions), one a line
+"""
+import argparse
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+PLUGIN_DIR = Path(__file__).resolve().parents[1] / "linformer_fairseq"
+
+# Keys the launchers set from their own flags: an override of them would undo the arithmetic.
+LAUNCHER_KEYS = {
+    "dataset.batch_size": "--batch-size",
+    "optimization.update_freq": "--global-batch",
+    "distributed_training.distributed_world_size": "--gpus/--nodes",
+}
+# Model fields that a finetuning config chooses for itself instead of inheriting them.
+FINETUNING_CHOICES = {
+    "dropout", "attention_dropout", "activation_dropout", "pooler_dropout", "encoder_layerdrop",
+    "encoder_layers_to_keep", "load_checkpoint_heads", "spectral_norm_classification_head",
+    "checkpoint_activations", "offload_activations", "min_params_to_wrap",
+}
+
+
+def fail(message):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)  # as argparse and the bash launchers do on bad input
+
+
+def compose(config_dir: Path, name: str, overrides, return_hydra_config=False):
+    """The config as fairseq-hydra-train composes it (validated against FairseqConfig)."""
+    if not (config_dir / f"{name}.yaml").is_file():
+        choices = sorted(p.stem for p in config_dir.glob("*.yaml") if p.stem != "recipe")
+        fail(f"no config {config_dir / name}.yaml; choose one of: {' '.join(choices)}")
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from fairseq.dataclass.initialize import hydra_init
+
+    # fairseq's own hydra setup; its schema matching warns that Hydra deprecates it
+    warnings.filterwarnings("ignore", message=r"(?s).*automatic_schema_matching")
+    hydra_init(name)
+    try:
+        with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base=None):
+            return hydra_compose(name, list(overrides), return_hydra_config=return_hydra_config)
+    except HydraException as e:
+        fail(f"{config_dir / name}.yaml with overrides {' '.join(overrides)}: {e}")
+
+
+def batch_plan(args):
+    for override in args.overrides:
+        key = override.lstrip("+~").split("=", 1)[0]
+        if key in LAUNCHER_KEYS:
+            fail(f"set {key} with the launcher's {LAUNCHER_KEYS[key]}, not as an override")
+    cfg = compose(args.config_dir, args.config, args.overrides)
+    batch, update_freq = cfg.dataset.batch_size, list(cfg.optimization.update_freq)
+    if batch is None or len(update_freq) != 1:
+        fail(f"{args.config}: needs dataset.batch_size and a single optimization.update_freq")
+    global_batch = args.global_batch or batch * update_freq[0] * cfg.distributed_training.distributed_world_size
+    batch = args.batch_size or batch
+    per_step = batch * args.world_size
+    if global_batch % per_step:
+        fail(
+            f"a global batch of {global_batch} sequences does not split into steps of {batch} "
+            f"sequences per GPU x {args.world_size} GPUs = {per_step}: choose a GPU count and "
+            f"--batch-size whose product divides {global_batch}"
+        )
+    print(batch, global_batch // per_step, global_batch)
+
+
+def hydra_value(value) -> str:
+    """A python value as a hydra override value (strings quoted: '128,128' is not a list)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (int, float)):
+        return repr(value)
+    text = str(value).replace("\\", "\\\\").replace("'", "\\'")
+    return f"'{text}'"
+
+
+def model_overrides(args):
+    import torch
+    from fairseq import utils
+
+    utils.import_user_module(argparse.Namespace(user_dir=str(PLUGIN_DIR)))  # models, safe loader
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY, MODEL_DATACLASS_REGISTRY, MODEL_REGISTRY
+
+    try:  # mmap: only the config is read, not gigabytes of weights
+        state = torch.load(args.checkpoint, map_location="cpu", mmap=True, weights_only=True)
+        model_cfg = (state.get("cfg") or {}).get("model") or state["args"]
+    except Exception as e:
+        fail(f"{args.checkpoint} is not a fairseq checkpoint with a model config: {e}")
+    fields = model_cfg if isinstance(model_cfg, dict) else vars(model_cfg)
+    arch = fields.get("_name") or fields.get("arch")
+    name = ARCH_MODEL_NAME_REGISTRY.get(arch, arch)
+    if name not in MODEL_REGISTRY:
+        fail(f"{args.checkpoint}: unknown model {arch!r}")
+    if name in MODEL_DATACLASS_REGISTRY:
+        keys = set(MODEL_DATACLASS_REGISTRY[name].__dataclass_fields__)
+    else:  # an argparse-only model (RoBERTa): its fields are its flags
+        parser = argparse.ArgumentParser(add_help=False)
+        MODEL_REGISTRY[name].add_args(parser)
+        keys = {action.dest for action in parser._actions}
+    print(f"++model._name={hydra_value(name)}")
+    for key in sorted((keys - FINETUNING_CHOICES - {"_name"}) & set(fields)):
+        print(f"++model.{key}={hydra_value(fields[key])}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("batch", help="update_freq for a GPU count")
+    b.add_argument("config_dir", type=Path)
+    b.add_argument("config")
+    b.add_argument("overrides", nargs="*", help="hydra overrides the run will also get")
+    b.add_argument("--world-size", type=int, required=True, help="GPUs (processes) in the run")
+    b.add_argument("--batch-size", type=int, help="sequences per GPU per step (default: the config's)")
+    b.add_argument("--global-batch", type=int, help="sequences per update (default: the config's)")
+    m = sub.add_parser("model", help="model overrides from a checkpoint")
+    m.add_argument("checkpoint", type=Path)
+    args = p.parse_args()
+    for flag in ("world_size", "batch_size", "global_batch"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            fail(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    logging.disable(logging.WARNING)  # fairseq's import-time notices would bury the answer
+    batch_plan(args) if args.command == "batch" else model_overrides(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Pretrain a Linformer (or the RoBERTa baseline) with one of configs/pretraining/*.yaml, on one
+# node's GPUs or on the CPU, keeping the config's global batch. See --help.
+set -euo pipefail
+# shellcheck source=scripts/launch_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"
+
+usage() {
+    cat <<HELP
+Usage: scripts/pretrain.sh [options] CONFIG DATA [OVERRIDE ...]
+
+Masked-LM pretraining with fairseq-hydra-train and configs/pretraining/CONFIG.yaml (the paper's
+recipe: 250k updates, fp16, global batch 2048 sequences). update_freq is recomputed for the
+number of GPUs so the global batch stays the config's. Relaunching the same command resumes.
+
+  CONFIG              e.g. linformer_n512_k128_headwise, linformer_n4096_k256, roberta_base
+  DATA                fairseq data-bin folder, or shard folders joined by ':'
+
+Options:
+$COMMON_HELP
+  --nodes N           nodes (default 1); N > 1 runs one copy per GPU under srun, which
+                      scripts/slurm/pretrain.sbatch does, with --distributed-port P
+
+Examples:
+  scripts/pretrain.sh --gpus 8 linformer_n512_k128_headwise data-bin/shard0:data-bin/shard1
+  scripts/pretrain.sh --cpu --global-batch 8 --batch-size 8 linformer_n512_k128_headwise \\
+      data-bin/shard0 optimization.max_update=100 model.encoder_layers=2
+HELP
+}
+
+ARGS=()
+while (($#)); do
+    case $1 in
+        -h | --help) usage; exit 0 ;;
+        *) if common_option "$@"; then shift "$CONSUMED"; else ARGS+=("$1"); shift; fi ;;
+    esac
+done
+((${#ARGS[@]} >= 2)) || die "need CONFIG and DATA (see --help)"
+CONFIG=${ARGS[0]%.yaml} DATA=${ARGS[1]}
+for dir in ${DATA//:/ }; do
+    [[ -d $dir ]] || ((DRY_RUN)) || die "data folder $dir does not exist"
+done
+SAVE_DIR=${SAVE_DIR:-checkpoints/$CONFIG}
+OVERRIDES=("task.data=$(hydra_quote "$DATA")" "${ARGS[@]:2}")
+launch "$REPO/configs/pretraining" "$CONFIG"

@@ -1,0 +1,223 @@
+"""The launchers (scripts/pretrain.sh, finetune.sh, slurm/*.sbatch, collect_results.py): their
+dry-run arithmetic and bad input, and real CPU runs through them: a pretraining run killed with
+SIGKILL and relaunched, its tensorboard logs, bf16 steps, finetuning from its checkpoint and
+the results table."""
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from fairseq.data import Dictionary, indexed_dataset
+from omegaconf import OmegaConf
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import linformer_fairseq  # noqa: F401  (its checkpoints load with weights_only=True)
+from launch_utils import CONFIG, ENV, REPO, TINY, losses, records
+
+SCRIPTS = REPO / "scripts"
+PRETRAIN, FINETUNE = SCRIPTS / "pretrain.sh", SCRIPTS / "finetune.sh"
+PRETRAIN_SBATCH, FINETUNE_SBATCH = SCRIPTS / "slurm" / "pretrain.sbatch", SCRIPTS / "slurm" / "finetune.sbatch"
+COLLECT = [sys.executable, str(SCRIPTS / "collect_results.py")]
+SMOKE = ["--cpu", "--global-batch", "8", "--batch-size", "8"]  # one process, 8 sequences per update
+MAX_UPDATE, SAVE_EVERY = 40, 10
+PLAN = re.compile(r"batch: (\d+) sequences per GPU x update_freq (\d+) x world size (\d+) = global batch (\d+)")
+
+
+def run(cmd, cwd=None, ok=True):
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
+    assert (proc.returncode == 0) == ok, f"{cmd} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.mark.parametrize("script", [PRETRAIN, FINETUNE, PRETRAIN_SBATCH, FINETUNE_SBATCH])
+def test_help_documents_the_dry_run(script):
+    out = run([script, "--help"]).stdout
+    assert out.startswith("Usage:") and "--dry-run" in out
+
+
+@pytest.mark.parametrize("nodes, update_freq", [(8, 2), (4, 4), (1, 16)])
+def test_sbatch_dry_run_keeps_the_global_batch(nodes, update_freq):
+    """64, 32 and 8 GPUs: update_freq grows as the GPU count falls, the global batch stays 2048."""
+    out = run([PRETRAIN_SBATCH, "--dry-run", "--nodes", nodes, "linformer_n512_k128_headwise", "data-bin/shard0"]).stdout
+    world = nodes * 8
+    batch, freq, size, global_batch = map(int, PLAN.search(out).groups())
+    assert (batch, freq, size, global_batch) == (16, update_freq, world, 2048)
+    assert batch * freq * size == 2048
+    srun, command = re.findall(r"^command: (.*)$", out, re.M)
+    assert srun.startswith("srun ") and f"--nodes {nodes} --gpus 8" in srun
+    assert f"optimization.update_freq=\\[{update_freq}\\]" in command
+    assert f"distributed_training.distributed_world_size={world}" in command
+    assert "distributed_training.distributed_port=" in command  # fairseq's Slurm-aware init needs it
+    ranks = re.findall(r"^  node (\d+): ranks (\d+)-(\d+)$", out, re.M)
+    assert [tuple(map(int, r)) for r in ranks] == [(n, 8 * n, 8 * n + 7) for n in range(nodes)]
+    assert "checkpoints/linformer_n512_k128_headwise (hydra_train.log, tensorboard/" in out
+
+
+@pytest.mark.parametrize("cmd, message", [
+    ([PRETRAIN, "--dry-run", "--gpus", "8", "nope", "data"], "no config"),
+    ([PRETRAIN, "--dry-run", "--gpus", "3", CONFIG, "data"], "does not split into steps of 16 sequences per GPU x 3 GPUs"),
+    ([PRETRAIN, "--dry-run", "--gpus", "8", CONFIG, "data", "dataset.batch_size=4"], "--batch-size"),
+    ([PRETRAIN, "--gpus", "0", CONFIG, "data"], "--gpus needs a whole number >= 1, got '0'"),
+    ([PRETRAIN, "--cpu", CONFIG, "/no/such/data"], "data folder /no/such/data does not exist"),
+    ([FINETUNE, "--dry-run", "nope", "model.pt"], "no task 'nope'"),
+    ([FINETUNE, "--dry-run", "sst_2", "/no/model.pt"], "checkpoint /no/model.pt does not exist"),
+    (["env", "SLURM_ARRAY_TASK_ID=1", FINETUNE_SBATCH, "--dry-run", "--tasks", "rte", "--seeds", "1", "model.pt"],
+     "array index 1 is past 1 tasks x 1 seeds: submit with --array=0-0"),
+    (COLLECT + ["/no/such/folder"], "/no/such/folder is not a folder"),
+], ids=["config", "indivisible", "batch-override", "zero-gpus", "data", "task", "checkpoint", "array", "results"])
+def test_bad_input_fails_with_a_clear_message(cmd, message, tmp_path):
+    proc = run(cmd, cwd=tmp_path, ok=False)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, wikitext_bin):
+    """A CPU pretraining run through scripts/pretrain.sh, SIGKILLed a few updates after its
+    checkpoint at update 10 and relaunched with the same command."""
+    save = tmp_path_factory.mktemp("pretrain") / CONFIG
+    cmd = [str(c) for c in [PRETRAIN, *SMOKE, "--save-dir", save, CONFIG, wikitext_bin,
+                            f"optimization.max_update={MAX_UPDATE}",
+                            f"checkpoint.save_interval_updates={SAVE_EVERY}", *TINY]]
+    log, output = save / "hydra_train.log", save.with_name("first-run.out")
+    first = subprocess.Popen(cmd, env=ENV, stdout=output.open("w"), stderr=subprocess.STDOUT,
+                             start_new_session=True)  # its own process group, killed as one
+    deadline = time.monotonic() + 300
+    try:
+        while first.poll() is None and time.monotonic() < deadline:
+            done = records(log, "train_inner")
+            if (save / "checkpoint_last.pt").exists() and done and int(done[-1]["num_updates"]) >= SAVE_EVERY + 3:
+                os.killpg(first.pid, signal.SIGKILL)
+                break
+            time.sleep(0.05)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    assert first.returncode == -signal.SIGKILL, f"the run ended ({first.returncode}) before it was killed:\n{output.read_text()[-3000:]}"
+    killed_at = log.stat().st_size
+    run(cmd)
+    return save, log, killed_at
+
+
+def test_killed_run_resumes_without_lost_or_repeated_updates(resumed):
+    save, log, killed_at = resumed
+    before, after = records(log, "train_inner", end=killed_at), records(log, "train_inner", start=killed_at)
+    done = [int(r["num_updates"]) for r in before]
+    assert done == list(range(1, done[-1] + 1)) and SAVE_EVERY < done[-1] < MAX_UPDATE
+    text = log.read_bytes()
+    saved = re.findall(rb"Saved checkpoint \S+ \(epoch \d+ @ (\d+) updates", text[:killed_at])
+    restored = re.search(rb"Loaded checkpoint \S+checkpoint_last.pt \(epoch \d+ @ (\d+) updates\)", text[killed_at:])
+    checkpoint = int(saved[-1])  # the last save before the kill
+    assert checkpoint % SAVE_EVERY == 0 and restored and int(restored.group(1)) == checkpoint
+    redone = [int(r["num_updates"]) for r in after]
+    assert redone == list(range(checkpoint + 1, MAX_UPDATE + 1))  # nothing skipped, nothing twice
+    assert sorted(done[:checkpoint] + redone) == list(range(1, MAX_UPDATE + 1))
+    # the updates lost with the kill are redone on the same batches from the same state
+    lost = range(checkpoint + 1, done[-1] + 1)
+    assert [losses(before)[u] for u in lost] == [losses(after)[u] for u in lost]
+    state = torch.load(save / "checkpoint_last.pt", map_location="cpu", weights_only=True)
+    assert state["optimizer_history"][-1]["num_updates"] == MAX_UPDATE
+
+
+def test_tensorboard_has_the_training_loss(resumed):
+    save, log, _ = resumed
+    events = EventAccumulator(str(save / "tensorboard" / "train_inner"), size_guidance={"scalars": 0}).Reload()
+    logged = losses(records(log, "train_inner"))
+    scalars = {e.step: e.value for e in events.Scalars("loss")}  # the relaunch rewrites redone steps
+    assert sorted(scalars) == list(range(1, MAX_UPDATE + 1))
+    assert all(abs(scalars[u] - logged[u]) < 1e-3 for u in scalars), "tensorboard and the log disagree"
+    valid = EventAccumulator(str(save / "tensorboard" / "valid")).Reload()
+    assert [e.step for e in valid.Scalars("loss")][-1] == MAX_UPDATE
+
+
+def test_bf16_steps_on_cpu(tmp_path, wikitext_bin):
+    save = tmp_path / "bf16"
+    run([PRETRAIN, *SMOKE, "--save-dir", save, CONFIG, wikitext_bin, "common.bf16=true",
+         "optimization.max_update=24", "optimization.lr=[0.002]", "checkpoint.save_interval_updates=0", *TINY])
+    state = torch.load(save / "checkpoint_last.pt", map_location="cpu", weights_only=True)
+    assert state["cfg"]["common"]["bf16"]
+    # fairseq's mixed-precision wrapper: bf16 model, fp32 master weights in the optimizer
+    assert state["optimizer_history"][-1]["optimizer_name"] == "FP16Optimizer"
+    loss = [float(r["loss"]) for r in records(save / "hydra_train.log", "train_inner")]
+    assert len(loss) == 24 and all(math.isfinite(x) for x in loss)
+    first, last = sum(loss[:4]) / 4, sum(loss[-4:]) / 4
+    assert last < first - 0.5, f"bf16 training did not learn: loss {first:.3f} -> {last:.3f}"
+
+
+@pytest.fixture(scope="module")
+def sst2_bin(tmp_path_factory, wikitext_bin):
+    """The bundled SST-2 sample (320 train, 200 dev sentences) as a sentence_prediction
+    data-bin, words mapped with the pretraining dictionary."""
+    root = tmp_path_factory.mktemp("SST-2-bin")
+    words, labels = Dictionary.load(str(wikitext_bin / "dict.txt")), Dictionary()
+    for label in "01":
+        labels.add_symbol(label)
+    for split, name, rows in (("train", "train.tsv", 320), ("valid", "dev.tsv", 200)):
+        lines = (REPO / "data" / "sample" / "glue" / "SST-2" / name).read_text().splitlines()[1:rows + 1]
+        columns = list(zip(*(line.rsplit("\t", 1) for line in lines)))
+        for folder, dictionary, texts in (("input0", words, columns[0]), ("label", labels, columns[1])):
+            (root / folder).mkdir(exist_ok=True)
+            dictionary.save(str(root / folder / "dict.txt"))
+            out = indexed_dataset.make_builder(str(root / folder / f"{split}.bin"), impl="mmap", vocab_size=len(dictionary))
+            for text in texts:
+                out.add_item(dictionary.encode_line(text, add_if_not_exist=False).long())
+            out.finalize(str(root / folder / f"{split}.idx"))
+    return root
+
+
+def test_finetune_from_the_pretrained_checkpoint(resumed, sst2_bin, tmp_path):
+    """finetune.sh takes the model from the checkpoint, writes the layout collect_results.py
+    reads, and a relaunch resumes the finetuning run instead of restarting it."""
+    pretrained = resumed[0] / "checkpoint_last.pt"
+    args = ["--data", sst2_bin, pretrained, "optimization.max_epoch=2", "optimization.lr=[0.001]"]
+    run([FINETUNE, "--cpu", "--global-batch", "16", "--batch-size", "16", "--seed", "3", "sst-2", *args], cwd=tmp_path)
+    save = tmp_path / "checkpoints" / "finetune" / CONFIG / "sst_2" / "seed3"
+    cfg = OmegaConf.load(save / ".hydra" / "config.yaml")
+    pretraining = torch.load(pretrained, map_location="cpu", weights_only=True)["cfg"]["model"]
+    for key in ("_name", "encoder_layers", "encoder_embed_dim", "compressed_dim", "compress_sharing", "max_positions"):
+        assert cfg.model[key] == pretraining[key], key
+    assert cfg.task.max_positions == 32 and cfg.common.seed == 3
+    log = (save / "hydra_train.log").read_text()
+    assert f"Loaded checkpoint {pretrained} (epoch" in log
+    accuracy = [float(r["valid_accuracy"]) for r in records(save / "hydra_train.log", "valid")]
+    assert len(accuracy) == 2
+
+    table = run(COLLECT + [tmp_path / "checkpoints" / "finetune"]).stdout.splitlines()
+    assert table[0] == "| model | SST-2 (accuracy) | Average |"
+    assert table[2] == f"| {CONFIG} | {max(accuracy):.1f} ± 0.0 (1) | {max(accuracy):.2f} |"
+
+    # the Slurm array's element 0 is this run again: it resumes from its checkpoint_last.pt
+    out = run([FINETUNE_SBATCH, "--dry-run", "--tasks", "sst_2,rte", "--seeds", "3,4", *args], cwd=tmp_path).stdout
+    elements = re.findall(r"^element (\d): .*--seed (\d) (\w+) ", out, re.M)
+    assert elements == [("0", "3", "sst_2"), ("1", "4", "sst_2"), ("2", "3", "rte"), ("3", "4", "rte")]
+    assert f"resume: from {save}/checkpoint_last.pt" in out
+    assert "checkpoint.restore_file=checkpoint_last.pt checkpoint.reset_optimizer=false" in out
+
+
+def write_run(root, model, task, seed, metric, scores, maximize=True):
+    run_dir = root / model / task / f"seed{seed}"
+    (run_dir / ".hydra").mkdir(parents=True)
+    OmegaConf.save({"checkpoint": {"best_checkpoint_metric": metric, "maximize_best_checkpoint_metric": maximize}},
+                   run_dir / ".hydra" / "config.yaml")
+    lines = [f'[2026-01-01 00:00:0{i},000][valid][INFO] - {{"epoch": {i + 1}, "valid_loss": "0.5", '
+             f'"valid_{metric}": "{score}", "valid_num_updates": "{100 * (i + 1)}"}}' for i, score in enumerate(scores)]
+    (run_dir / "hydra_train.log").write_text("\n".join(["[2026-01-01 00:00:00,000][fairseq_cli.train][INFO] - start"] + lines) + "\n")
+
+
+def test_collect_results_mean_and_spread_of_best_dev_scores(tmp_path):
+    write_run(tmp_path, "linformer", "sst_2", 1, "accuracy", [88.0, 91.0, 90.0])  # best 91
+    write_run(tmp_path, "linformer", "sst_2", 2, "accuracy", [93.0, 92.5])  # best 93
+    write_run(tmp_path, "linformer", "cola", 1, "mcc", [55.0, 61.5])
+    write_run(tmp_path, "roberta", "sst_2", 1, "accuracy", [94.0])
+    table = run(COLLECT + [tmp_path]).stdout.splitlines()
+    assert table == [
+        "| model | SST-2 (accuracy) | CoLA (mcc) | Average |",
+        "| --- | --- | --- | --- |",
+        "| linformer | 92.0 ± 1.4 (2) | 61.5 ± 0.0 (1) | 76.75 |",  # stdev of 91, 93 = 1.41
+        "| roberta | 94.0 ± 0.0 (1) | - | - |",
+    ]

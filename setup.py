@@ -13,6 +13,7 @@ setup(
         "fairseq-fixed>=0.12.3; python_version >= '3.11'",
         "sentencepiece",
         "tensorboard",
+        "wikiextractor>=3.1.0",  # data-prep; 3.0.x fails on Python 3.11
     ],
     extras_require={"dev": ["pytest", "matplotlib", "hydra-submitit-launcher"]},
 )

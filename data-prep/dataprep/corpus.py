@@ -1,0 +1,256 @@
+"""Build the pretraining corpus: English Wikipedia and/or books -> train.txt, valid.txt.
+
+Output layout (what fairseq's --sample-break-mode complete_doc expects): one paragraph per
+line, a blank line after each document. Exact-duplicate documents are dropped and the
+documents are split into train/valid at random with a fixed seed.
+"""
+
+import hashlib
+import importlib.util
+import json
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from .common import (
+    PrepError, Progress, atomic, cli, fail, finished, local_or_download, log, parser, read_lines,
+)
+
+WIKI_DUMP_URL = (
+    "https://dumps.wikimedia.org/enwiki/latest/enwiki-latest-pages-articles.xml.bz2"
+)
+# Lines that are still list items, tables, templates or indents after wikiextractor.
+MARKUP_LINE = re.compile(r"^\s*[*#:;|!{}=]")
+WIKITEXT_TITLE = re.compile(r"^ = [^=].* = $")
+WIKITEXT_HEADING = re.compile(r"^ (= )+.*( =)+ $")
+# WikiText's tokenizer splits hyphens and numbers as "1 @,@ 000" / "well @-@ known".
+WIKITEXT_SPLIT = re.compile(r" @([-,.])@ ")
+# WikiText replaced rare words by "<unk>"; sentencepiece learns no '<' '>' from it and would
+# cut it in 4 pieces, two of them unknown, so it becomes the plain word "unk".
+WIKITEXT_UNK = ("<unk>", "unk")
+# A sentence ends at . ! or ? (and closing quotes or brackets) before a capital or a digit,
+# but not after an initial ("J. R. R. Tolkien") or a common title ("Mr. Smith").
+SENTENCE_END = re.compile(
+    r"(?<!\b[A-Z])(?<!\bMr)(?<!\bMrs)(?<!\bMs)(?<!\bDr)(?<!\bSt)"
+    r"([.!?][\"')\]]*)\s+(?=[\"'(\[]?[A-Z0-9])")
+
+
+def clean_lines(lines, min_chars):
+    """Drop markup and short lines (headings, captions, stubs); normalise whitespace."""
+    kept = []
+    for line in lines:
+        line = " ".join(line.split())
+        if len(line) >= min_chars and not MARKUP_LINE.match(line):
+            kept.append(line)
+    return kept
+
+
+def split_sentences(lines):
+    """One sentence per line instead of one paragraph (a simple rule, not a parser)."""
+    return [sentence for line in lines for sentence in SENTENCE_END.sub("\\1\n", line).split("\n")]
+
+
+# ---------------------------------------------------------------- Wikipedia
+
+def extract_wikipedia(dump, out_dir, processes):
+    """Run wikiextractor (JSON output, templates not expanded) on a pages-articles dump."""
+    if finished(out_dir, "wikiextractor"):
+        return out_dir
+    if importlib.util.find_spec("wikiextractor") is None:
+        raise PrepError('wikiextractor is not installed: pip install "wikiextractor>=3.1.0"')
+    log(f"extracting {dump} with wikiextractor ({processes} processes) -> {out_dir}")
+    with atomic(out_dir) as tmp:
+        cmd = [sys.executable, "-m", "wikiextractor.WikiExtractor", "--json", "--no-templates",
+               "--processes", str(processes), "-o", str(tmp), str(dump)]
+        if subprocess.run(cmd).returncode != 0:
+            fail(dump, None, "wikiextractor failed (is this a MediaWiki XML dump?)")
+        if not any(tmp.rglob("wiki_*")):
+            fail(dump, None, "wikiextractor found no articles (is this a MediaWiki XML dump?)")
+    return out_dir
+
+
+def wikipedia_documents(extracted_dir, min_chars):
+    """One document per article of a wikiextractor --json output folder."""
+    for path in sorted(Path(extracted_dir).rglob("wiki_*")):
+        for lineno, line in read_lines(path):
+            try:
+                text = json.loads(line)["text"]
+            except (ValueError, KeyError, TypeError):
+                fail(path, lineno, "not a wikiextractor --json record with a 'text' field")
+            yield clean_lines(text.split("\n"), min_chars)
+
+
+def wikitext_documents(path, min_chars):
+    """One document per article of a WikiText-2/103 *.tokens file (a small Wikipedia stand-in)."""
+    doc = []
+    for _, line in read_lines(path):
+        if WIKITEXT_TITLE.match(line):
+            yield clean_lines(doc, min_chars)
+            doc = []
+        elif not WIKITEXT_HEADING.match(line):
+            doc.append(WIKITEXT_SPLIT.sub(r"\1", line).replace(*WIKITEXT_UNK))
+    yield clean_lines(doc, min_chars)
+
+
+# ---------------------------------------------------------------- books
+
+def book_documents(folder, min_chars):
+    """One document per *.txt book; a paragraph (block between blank lines) becomes one line."""
+    books = sorted(Path(folder).glob("*.txt"))
+    if not books:
+        fail(folder, None, "no *.txt books in this folder")
+    for path in books:
+        paragraphs, block = [], []
+        for _, line in read_lines(path):
+            if line.strip():
+                block.append(line)
+            elif block:
+                paragraphs.append(" ".join(block))
+                block = []
+        paragraphs.append(" ".join(block))
+        yield clean_lines(paragraphs, min_chars)
+
+
+# ---------------------------------------------------------------- corpus
+
+def write_document(f, lines):
+    f.write("\n".join(lines) + "\n\n")
+
+
+def read_documents(path):
+    """Yield the documents (lists of lines) of a corpus file in our layout."""
+    doc = []
+    for _, line in read_lines(path):
+        if line:
+            doc.append(line)
+        elif doc:
+            yield doc
+            doc = []
+    if doc:
+        yield doc
+
+
+def build_corpus(sources, out_dir, valid_fraction, valid_docs, seed):
+    """Write out_dir/{train,valid}.txt and stats.json from an iterable of (source, doc)."""
+    if finished(out_dir, "corpus"):
+        return json.loads((Path(out_dir) / "stats.json").read_text())
+    with atomic(out_dir) as tmp:
+        tmp.mkdir()
+        stats = _dedup(sources, tmp / "all.txt")
+        n = stats["documents"]
+        k = valid_docs if valid_docs is not None else max(1, round(n * valid_fraction))
+        if n < 2 or not 0 < k < n:
+            fail(out_dir, None, f"cannot hold out {k} of {n} unique documents for valid; "
+                 "give more text or change --valid-docs/--valid-fraction")
+        valid = set(random.Random(seed).sample(range(n), k))
+        stats.update(_split(tmp / "all.txt", valid, tmp))
+        (tmp / "all.txt").unlink()
+        (tmp / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    log(f"corpus: {json.dumps(stats)}")
+    return stats
+
+
+def _dedup(sources, path):
+    """Write the non-empty, first-seen documents to `path`; return counts."""
+    seen = set()
+    stats = {"documents": 0, "duplicates": 0, "empty": 0, "by_source": {}}
+    progress = Progress("reading documents", unit="documents")
+    with open(path, "w") as f:
+        for source, doc in sources:
+            progress.update()
+            if not doc:
+                stats["empty"] += 1
+                continue
+            digest = hashlib.blake2b("\n".join(doc).encode(), digest_size=16).digest()
+            if digest in seen:
+                stats["duplicates"] += 1
+                continue
+            seen.add(digest)
+            write_document(f, doc)
+            stats["documents"] += 1
+            stats["by_source"][source] = stats["by_source"].get(source, 0) + 1
+    progress.close()
+    return stats
+
+
+def nonempty(path, documents):
+    """Pass documents through; fail, naming `path`, if none of them has a line left."""
+    empty = True
+    for source, doc in documents:
+        empty = empty and not doc
+        yield source, doc
+    if empty:
+        fail(path, None, "empty corpus: no line of at least --min-chars characters")
+
+
+def _split(path, valid, out_dir):
+    """Deal the documents of `path` into out_dir/{train,valid}.txt; return their counts."""
+    counts = {split: {"documents": 0, "lines": 0, "words": 0} for split in ("train", "valid")}
+    progress = Progress("splitting", unit="documents")
+    with open(out_dir / "train.txt", "w") as train, open(out_dir / "valid.txt", "w") as val:
+        files = {"train": train, "valid": val}
+        for i, doc in enumerate(read_documents(path)):
+            split = "valid" if i in valid else "train"
+            write_document(files[split], doc)
+            c = counts[split]
+            c["documents"] += 1
+            c["lines"] += len(doc)
+            c["words"] += sum(len(line.split()) for line in doc)
+            progress.update()
+    progress.close()
+    return counts
+
+
+def main():
+    p = parser(__doc__)
+    p.add_argument("--out", required=True, type=Path, help="output folder (train.txt, valid.txt, stats.json)")
+    src = p.add_argument_group("sources (at least one)")
+    src.add_argument("--wiki-dump", metavar="PATH|URL|latest",
+                     help="an enwiki pages-articles *.xml.bz2 dump: a local file, a URL, or "
+                          f"'latest' for {WIKI_DUMP_URL}")
+    src.add_argument("--wiki-extracted", type=Path, help="a wikiextractor --json output folder")
+    src.add_argument("--wikitext", type=Path, nargs="+", help="WikiText *.tokens files")
+    src.add_argument("--books", type=Path, nargs="+",
+                     help="folders of plain-text books, one book per *.txt file (BookCorpus "
+                          "is no longer distributed: bring your own)")
+    p.add_argument("--work-dir", type=Path,
+                   help="where the dump is downloaded and extracted (default: OUT.work)")
+    p.add_argument("--min-chars", type=int, default=40,
+                   help="drop lines shorter than this (headings, captions, list residue)")
+    p.add_argument("--split-sentences", action="store_true",
+                   help="write one sentence per line instead of one paragraph per line")
+    p.add_argument("--valid-fraction", type=float, default=0.01, help="documents held out for valid")
+    p.add_argument("--valid-docs", type=int, help="exact number of valid documents (overrides the fraction)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the train/valid split")
+    p.add_argument("--workers", type=int, default=2, help="wikiextractor processes")
+    args = p.parse_args()
+    if not (args.wiki_dump or args.wiki_extracted or args.wikitext or args.books):
+        p.error("give at least one source: --wiki-dump, --wiki-extracted, --wikitext or --books")
+    if finished(args.out, "corpus"):
+        return
+    work = args.work_dir or args.out.with_name(args.out.name + ".work")
+    extracted = list(filter(None, [args.wiki_extracted]))
+    if args.wiki_dump:
+        dump = local_or_download(WIKI_DUMP_URL if args.wiki_dump == "latest" else args.wiki_dump, work)
+        extracted.append(extract_wikipedia(dump, work / "wiki-extracted", args.workers))
+    for folder in extracted + list(args.books or []):
+        if not Path(folder).is_dir():
+            fail(folder, None, "folder not found")
+
+    def sources():
+        for kind, reader, inputs in (("wikipedia", wikipedia_documents, extracted),
+                                     ("wikitext", wikitext_documents, args.wikitext or []),
+                                     ("books", book_documents, args.books or [])):
+            for path in inputs:
+                docs = reader(path, args.min_chars)
+                if args.split_sentences:
+                    docs = map(split_sentences, docs)
+                yield from nonempty(path, ((kind, d) for d in docs))
+
+    build_corpus(sources(), args.out, args.valid_fraction, args.valid_docs, args.seed)
+
+
+if __name__ == "__main__":
+    cli(main)

@@ -1,0 +1,95 @@
+"""IMDB (aclImdb_v1.tar.gz) -> DESTDIR/IMDB-bin, in the same layout as the GLUE tasks.
+
+Reads the reviews straight from the tarball (aclImdb/{train,test}/{pos,neg}/<id>_<stars>.txt;
+train/unsup is not labelled and is left out), replaces the <br /> tags by spaces, holds out
+a fixed random valid set from train (--valid-size reviews, --seed) and keeps test as test.
+Classes: neg = 0, pos = 1.
+"""
+
+import random
+import re
+import tarfile
+from pathlib import Path
+
+from .common import (
+    PrepError, Progress, cli, default_workers, fail, finished, local_or_download, parser,
+    require_file,
+)
+from .labelled import Split, write_task
+
+IMDB_URL = "https://ai.stanford.edu/~amaas/data/sentiment/aclImdb_v1.tar.gz"
+CLASSES = ("neg", "pos")
+MEMBER = re.compile(r"(?:^|/)aclImdb/(train|test)/(pos|neg)/(\d+)_\d+\.txt$")
+BREAK = re.compile(r"<br\s*/?>", re.IGNORECASE)
+
+
+def read_reviews(tarball):
+    """{"train": [(label, text)], "test": [...]}, each sorted by (label, review id)."""
+    tarball = require_file(tarball, "IMDB tarball")
+    found = {"train": [], "test": []}
+    progress = Progress(f"reading {tarball}", unit="reviews")
+    try:
+        with tarfile.open(tarball, "r:*") as tar:
+            for member in tar:
+                match = MEMBER.search(member.name)
+                if not (match and member.isfile()):
+                    continue
+                split, label, review_id = match.groups()
+                try:
+                    text = tar.extractfile(member).read().decode("utf-8")
+                except UnicodeDecodeError as e:
+                    fail(f"{tarball}:{member.name}", None, f"not valid UTF-8 ({e.reason})")
+                found[split].append((label, int(review_id), " ".join(BREAK.sub(" ", text).split())))
+                progress.update()
+    except (tarfile.TarError, EOFError, OSError) as e:
+        fail(tarball, None, f"cannot read the tar archive ({e})")
+    progress.close()
+    for split, reviews in found.items():
+        for label in CLASSES:
+            if not any(r[0] == label for r in reviews):
+                fail(tarball, None, f"no aclImdb/{split}/{label}/*.txt reviews: "
+                     "not the aclImdb_v1 layout")
+    return {split: [(label, text) for label, _, text in sorted(reviews)]
+            for split, reviews in found.items()}
+
+
+def imdb_splits(reviews, valid_size, seed):
+    train = list(reviews["train"])
+    if not 0 < valid_size < len(train):
+        raise PrepError(f"--valid-size {valid_size} must be between 1 and {len(train) - 1} "
+                        "(the number of train reviews - 1)")
+    random.Random(seed).shuffle(train)
+    return [_split("train", train[valid_size:]), _split("valid", train[:valid_size]),
+            _split("test", reviews["test"])]
+
+
+def _split(name, reviews):
+    return Split(name, [[text for _, text in reviews]], [label for label, _ in reviews])
+
+
+def main():
+    p = parser(__doc__)
+    p.add_argument("--tarball", required=True, metavar="PATH|URL|download",
+                   help=f"aclImdb_v1.tar.gz: a local file, a URL, or 'download' for {IMDB_URL}")
+    p.add_argument("--download-dir", type=Path, default=Path("."),
+                   help="where a downloaded tarball goes")
+    p.add_argument("--spm-model", required=True, type=Path, help="the pretraining spm.model")
+    p.add_argument("--srcdict", required=True, type=Path, help="the pretraining dict.txt")
+    p.add_argument("--destdir", required=True, type=Path, help="writes DESTDIR/IMDB-bin")
+    p.add_argument("--valid-size", type=int, default=2500, help="train reviews held out as valid")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--workers", type=int, default=default_workers())
+    args = p.parse_args()
+    dest = args.destdir / "IMDB-bin"
+    if finished(dest, "IMDB"):
+        return
+    require_file(args.spm_model, "sentencepiece model")
+    require_file(args.srcdict, "dictionary")
+    tarball = local_or_download(IMDB_URL if args.tarball == "download" else args.tarball,
+                                args.download_dir)
+    splits = imdb_splits(read_reviews(tarball), args.valid_size, args.seed)
+    write_task(dest, splits, args.spm_model, args.srcdict, CLASSES, args.workers)
+
+
+if __name__ == "__main__":
+    cli(main)

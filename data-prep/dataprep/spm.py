@@ -1,0 +1,124 @@
+"""SentencePiece: train a model on the corpus, encode text with it, write the fairseq dict.txt.
+
+  train:  OUT/spm.model, OUT/spm.vocab and OUT/dict.txt (the spm pieces in spm id order, so
+          fairseq id = spm id + 1: fairseq puts <s> <pad> </s> <unk> first, spm <unk> <s> </s>)
+  encode: one line of space-separated pieces per input line; blank lines stay blank
+          (they are the document boundaries of the corpus)
+"""
+
+import itertools
+import multiprocessing
+from pathlib import Path
+
+import sentencepiece
+
+from .common import (
+    Progress, atomic, cli, default_workers, fail, finished, log, parser, read_lines, require_file,
+)
+
+BATCH_LINES = 2000
+
+
+def train(corpus, out_dir, vocab_size, input_sentence_size, model_type, workers, seed=1):
+    out_dir = Path(out_dir)
+    if finished(out_dir, "sentencepiece training"):
+        return out_dir
+    corpus = require_file(corpus, "corpus")
+    if not any(line.strip() for _, line in read_lines(corpus)):
+        fail(corpus, None, "empty corpus: nothing to train sentencepiece on")
+    log(f"training sentencepiece ({model_type}, vocab {vocab_size}) on {corpus}")
+    with atomic(out_dir) as tmp:
+        tmp.mkdir()
+        sentencepiece.set_random_generator_seed(seed)
+        try:
+            sentencepiece.SentencePieceTrainer.train(
+                input=str(corpus), model_prefix=str(tmp / "spm"), vocab_size=vocab_size,
+                model_type=model_type, character_coverage=0.9999,
+                input_sentence_size=input_sentence_size, shuffle_input_sentence=True,
+                num_threads=workers, minloglevel=1,
+            )
+        except RuntimeError as e:  # e.g. "Vocabulary size too high" on a small corpus
+            fail(corpus, None, f"sentencepiece training failed: {e}")
+        write_fairseq_dict(tmp / "spm.model", tmp / "dict.txt")
+    return out_dir
+
+
+def write_fairseq_dict(model, path):
+    """dict.txt for `fairseq-preprocess --srcdict`: every spm piece but the ones fairseq adds
+    itself (<unk>, <s>, </s>), in spm id order; the counts only keep that order if re-sorted."""
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(model))
+    n = sp.get_piece_size()
+    with open(path, "w") as f:
+        for i in range(n):
+            if not (sp.is_control(i) or sp.is_unknown(i)):
+                f.write(f"{sp.id_to_piece(i)} {n - i}\n")
+
+
+_worker_sp = None
+
+
+def _init_worker(model):
+    global _worker_sp
+    _worker_sp = sentencepiece.SentencePieceProcessor(model_file=str(model))
+
+
+def _encode_batch(lines):
+    return [" ".join(_worker_sp.encode(line, out_type=str)) for line in lines]
+
+
+def encode(model, src, dst, workers):
+    """Encode `src` into `dst` line by line, with `workers` processes, order kept."""
+    dst = Path(dst)
+    if finished(dst, "encoding"):
+        return dst
+    model = require_file(model, "sentencepiece model")
+    src = require_file(src)
+    lines = (line for _, line in read_lines(src))
+    batches = iter(lambda: list(itertools.islice(lines, BATCH_LINES)), [])
+    progress = Progress(f"encoding {src}")
+    with atomic(dst) as tmp, open(tmp, "w") as out:
+        if workers > 1:
+            with multiprocessing.Pool(workers, _init_worker, (model,)) as pool:
+                _write(pool.imap(_encode_batch, batches), out, progress)
+        else:
+            _init_worker(model)
+            _write(map(_encode_batch, batches), out, progress)
+    progress.close()
+    return dst
+
+
+def _write(encoded_batches, out, progress):
+    for batch in encoded_batches:
+        out.writelines(line + "\n" for line in batch)
+        progress.update(len(batch))
+
+
+def main():
+    p = parser(__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a model and write dict.txt")
+    t.add_argument("--corpus", required=True, type=Path, help="train.txt of the corpus")
+    t.add_argument("--out", required=True, type=Path, help="output folder")
+    t.add_argument("--vocab-size", type=int, default=50000)
+    t.add_argument("--input-sentence-size", type=int, default=10_000_000,
+                   help="train on a random sample of this many lines (0: all)")
+    t.add_argument("--model-type", default="unigram", choices=["unigram", "bpe"])
+    t.add_argument("--workers", type=int, default=default_workers())
+    e = sub.add_parser("encode", help="encode text files into pieces")
+    e.add_argument("--model", required=True, type=Path, help="spm.model")
+    e.add_argument("--inputs", required=True, type=Path, nargs="+")
+    e.add_argument("--outputs", required=True, type=Path, nargs="+")
+    e.add_argument("--workers", type=int, default=default_workers())
+    args = p.parse_args()
+    if args.command == "train":
+        train(args.corpus, args.out, args.vocab_size, args.input_sentence_size,
+              args.model_type, args.workers)
+    else:
+        if len(args.inputs) != len(args.outputs):
+            p.error("--inputs and --outputs need the same number of files")
+        for src, dst in zip(args.inputs, args.outputs):
+            encode(args.model, src, dst, args.workers)
+
+
+if __name__ == "__main__":
+    cli(main)

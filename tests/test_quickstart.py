@@ -1,0 +1,73 @@
+"""scripts/quickstart.sh, the project's main job: sample text -> pretrained and finetuned Linformer."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "quickstart.sh"
+
+
+def quickstart(out):
+    r = subprocess.run([str(SCRIPT), "--out", str(out)], capture_output=True, text=True,
+                       env={**os.environ, "PYTHON": sys.executable})
+    assert r.returncode == 0, f"quickstart failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r.stdout + r.stderr
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("quickstart")
+    return out, quickstart(out)
+
+
+def results(stdout):
+    loss = re.search(r"pretraining validation loss: ([\d.]+) -> ([\d.]+) .*?(\d+) validations",
+                     stdout)
+    acc = re.search(r"SST-2 dev accuracy: ([\d.]+)% .*\(majority class: ([\d.]+)%\)", stdout)
+    assert loss and acc, stdout[-2000:]
+    return [float(v) for v in loss.groups()], [float(v) for v in acc.groups()]
+
+
+def test_pretraining_validation_loss_falls(run):
+    (first, last, validations), _ = results(run[1])
+    assert validations >= 2 and last < first
+
+
+def test_sst2_accuracy_above_chance(run):
+    _, (accuracy, majority) = results(run[1])
+    assert accuracy >= majority + 5
+
+
+def test_outputs_are_where_it_says(run):
+    out, stdout = run
+    for path in ("checkpoints/pretrain/checkpoint_best.pt", "checkpoints/sst2/checkpoint_best.pt",
+                 "logs/pretrain.log", "logs/finetune-sst2.log", "data-bin/shard0/train.bin",
+                 "data-bin/shard1/train.bin", "glue/SST-2-bin/label/dict.txt", "spm/spm.model"):
+        assert (out / path).is_file(), path
+    for said in (f"checkpoints: {out}/checkpoints/pretrain/ and {out}/checkpoints/sst2/",
+                 f"tensorboard --logdir {out}/tensorboard", f"logs: {out}/logs/pretrain.log"):
+        assert said in stdout
+    for stage in ("pretrain", "sst2"):
+        assert list((out / "tensorboard" / stage).rglob("events.out.tfevents.*")), stage
+    assert not list(out.rglob("*.partial"))
+
+
+def test_second_run_reuses_every_step(run):
+    out, stdout = run
+    again = quickstart(out)
+    for step in ("corpus", "sentencepiece training", "encoding", "binarizing", "SST-2",
+                 "pretrain", "finetune-sst2"):
+        assert f"skip {step}" in again, step
+    assert results(again) == results(stdout)
+
+
+def test_help_and_bad_argument():
+    r = subprocess.run([str(SCRIPT), "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "--pretrain-updates" in r.stdout
+    r = subprocess.run([str(SCRIPT), "--pretrain-updates", "many"], capture_output=True, text=True)
+    assert r.returncode == 2 and "'many' is not a positive integer" in r.stderr

@@ -22,10 +22,13 @@ class SequenceProjection(nn.Module):
     Kinds (``n`` = max_positions, ``s = n // k``):
 
     - ``linear``: a learned ``k x n`` matrix; an input of T < n positions uses its first T
-      columns, so the output always has k rows (the original fairseq behaviour).
+      columns, so the output always has k rows (the original fairseq behaviour). Its rows
+      are sums over the real tokens, so their scale grows with T: models pretrained on full
+      blocks see smaller keys on short inputs (mean pooling does not).
     - ``mean`` / ``max``: pooling over windows of s positions; ``conv``: a learned kernel of
-      width s applied with stride s (a block-structured E). An input of T positions gives
-      ``ceil(T / s)`` rows; rows whose window holds only padding are reported as empty.
+      width s applied with stride s (a block-structured E, initialised to mean pooling). An
+      input of T positions gives ``ceil(T / s)`` rows; rows whose window holds only padding
+      are reported as empty.
 
     With ``groups > 1`` (sharing level "none") the channels are split into ``groups`` heads and
     each head gets its own matrix or kernel.
@@ -94,13 +97,14 @@ class SequenceProjection(nn.Module):
         rows = -(-T // s)
         tail = rows * s - T
         windows = F.pad(x, (0, 0, 0, 0, 0, tail), value=fill).view(rows, s, B, C)
-        real = None
+        real = kept = None
         if pad_mask is not None:
             real = F.pad(~pad_mask, (0, tail), value=False).view(B, rows, s)
+            kept = real.any(-1)
         if self.kind == "max":
             out = windows.amax(dim=1)
-            if real is not None:  # windows of padding only would be -inf
-                out = out.masked_fill(out.isinf() & (out < 0), 0.0)
+            if kept is not None:  # a window of padding only is -inf: make it a harmless 0
+                out = out.masked_fill(~kept.t().unsqueeze(-1), 0.0)
         elif self.kind == "mean":
             if real is None:
                 count = x.new_full((rows, 1, 1), float(s))
@@ -115,7 +119,7 @@ class SequenceProjection(nn.Module):
             else:
                 g = windows.view(rows, s, B, self.groups, C // self.groups)
                 out = torch.einsum("wsbgd,gs->wbgd", g, w).reshape(rows, B, C)
-        return out, (real.any(-1) if real is not None else None)
+        return out, kept
 
 
 class LinformerMultiheadAttention(nn.Module):

@@ -93,7 +93,7 @@ class LinformerRobertaConfig(FairseqDataclass):
     )
     ffn_chunk_size: int = field(
         default=0,
-        metadata={"help": "inference only: run each FFN over chunks of this many positions (0: off); same outputs"},
+        metadata={"help": "inference only: run each FFN block over chunks of this many positions (0: off; <= n/5 keeps the FFN below the attention block in peak memory); same outputs"},
     )
 
 

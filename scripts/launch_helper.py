@@ -48,7 +48,9 @@ def compose(config_dir: Path, name: str, overrides, return_hydra_config=False):
     warnings.filterwarnings("ignore", message=r"(?s).*automatic_schema_matching")
     hydra_init(name)
     try:
-        with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base=None):
+        # "1.1" is what fairseq-hydra-train runs under; a newer base would also stay set for the
+        # process and make fairseq's own hydra.experimental calls raise ImportError
+        with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base="1.1"):
             return hydra_compose(name, list(overrides), return_hydra_config=return_hydra_config)
     except HydraException as e:
         fail(f"{config_dir / name}.yaml with overrides {' '.join(overrides)}: {e}")

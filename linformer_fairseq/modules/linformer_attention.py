@@ -63,8 +63,15 @@ class SequenceProjection(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.kind}, n={self.max_positions}, k={self.k}, groups={self.groups}"
 
-    def forward(self, x: Tensor, pad_mask: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
-        """x: ``T x B x C``; pad_mask: ``B x T`` (True at pads) or None.
+    def mask_padding(self, x: Tensor, pad_mask: Tensor) -> Tensor:
+        """Pad positions set to what the projection ignores: 0, or -inf for max pooling."""
+        return x.masked_fill(pad_mask.t().unsqueeze(-1), float("-inf") if self.kind == "max" else 0.0)
+
+    def forward(
+        self, x: Tensor, pad_mask: Optional[Tensor], padding_masked: bool = False
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        """x: ``T x B x C``; pad_mask: ``B x T`` (True at pads) or None; ``padding_masked``:
+        x already went through ``mask_padding`` (E and F of one layer share that pass).
 
         Returns the projection ``k' x B x C`` and a ``B x k'`` mask of the rows that hold at
         least one real token (None when every row does).
@@ -75,12 +82,11 @@ class SequenceProjection(nn.Module):
                 f"sequence length {T} exceeds max_positions {self.max_positions} of the "
                 f"Linformer projection (its E/F matrices are k x max_positions)"
             )
-        fill = float("-inf") if self.kind == "max" else 0.0
-        if pad_mask is not None:
-            x = x.masked_fill(pad_mask.t().unsqueeze(-1), fill)
+        if pad_mask is not None and not padding_masked:
+            x = self.mask_padding(x, pad_mask)
         if self.kind == "linear":
             return self._linear(x), None
-        return self._pooled(x, pad_mask, fill)
+        return self._pooled(x, pad_mask)
 
     def _linear(self, x: Tensor) -> Tensor:
         T, B, C = x.shape
@@ -91,9 +97,10 @@ class SequenceProjection(nn.Module):
         x = x.reshape(T, B, self.groups, C // self.groups)
         return torch.einsum("gkt,tbgd->kbgd", E, x).reshape(self.k, B, C)
 
-    def _pooled(self, x: Tensor, pad_mask: Optional[Tensor], fill: float):
+    def _pooled(self, x: Tensor, pad_mask: Optional[Tensor]):
         T, B, C = x.shape
         s = self.stride
+        fill = float("-inf") if self.kind == "max" else 0.0
         rows = -(-T // s)
         tail = rows * s - T
         windows = F.pad(x, (0, 0, 0, 0, 0, tail), value=fill).view(rows, s, B, C)
@@ -191,8 +198,10 @@ class LinformerMultiheadAttention(nn.Module):
             k, kept = self.compress_k(F.linear(x, self.k_proj.weight), pad_mask)
             v, _ = self.compress_v(F.linear(x, self.v_proj.weight), pad_mask)
             return k + self.k_proj.bias, v + self.v_proj.bias, kept
-        xk, kept = self.compress_k(x, pad_mask)
-        xv = xk if self.compress_v is None else self.compress_v(x, pad_mask)[0]
+        if pad_mask is not None:  # once for E and F
+            x = self.compress_k.mask_padding(x, pad_mask)
+        xk, kept = self.compress_k(x, pad_mask, padding_masked=True)
+        xv = xk if self.compress_v is None else self.compress_v(x, pad_mask, padding_masked=True)[0]
         return self.k_proj(xk), self.v_proj(xv), kept
 
     def forward(

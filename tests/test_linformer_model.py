@@ -121,6 +121,8 @@ def test_compressed_ratio_freeze_and_attention_dropout():
     assert attn.compress_k.weight.shape == (8, 32)  # k = 32 // 4
     assert not any(p.requires_grad for p in attn.compress_parameters())
     assert attn.q_proj.weight.requires_grad
+    shared = build_model(compress_sharing="layerwise", freeze_compress=1).encoder.sentence_encoder.compress_layer
+    assert not shared.weight.requires_grad
 
 
 def test_ffn_chunking_gives_identical_outputs():

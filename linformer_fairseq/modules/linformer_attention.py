@@ -33,8 +33,8 @@ class SequenceProjection(nn.Module):
     With ``groups > 1`` (sharing level "none") the channels are split into ``groups`` heads and
     each head gets its own matrix or kernel.
 
-    Pad positions never contribute: a sentence projects to the same rows however far its
-    batch pads it.
+    Pad positions never contribute (the caller zeroes them; pooling also leaves them out of
+    its counts and maxima): a sentence projects to the same rows however far its batch pads it.
     """
 
     def __init__(self, kind: str, max_positions: int, k: int, groups: int = 1):
@@ -63,27 +63,18 @@ class SequenceProjection(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.kind}, n={self.max_positions}, k={self.k}, groups={self.groups}"
 
-    def mask_padding(self, x: Tensor, pad_mask: Tensor) -> Tensor:
-        """Pad positions set to what the projection ignores: 0, or -inf for max pooling."""
-        return x.masked_fill(pad_mask.t().unsqueeze(-1), float("-inf") if self.kind == "max" else 0.0)
-
-    def forward(
-        self, x: Tensor, pad_mask: Optional[Tensor], padding_masked: bool = False
-    ) -> Tuple[Tensor, Optional[Tensor]]:
-        """x: ``T x B x C``; pad_mask: ``B x T`` (True at pads) or None; ``padding_masked``:
-        x already went through ``mask_padding`` (E and F of one layer share that pass).
+    def forward(self, x: Tensor, pad_mask: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+        """x: ``T x B x C`` with zeros at its pad positions; pad_mask: ``B x T`` (True at
+        pads) or None.
 
         Returns the projection ``k' x B x C`` and a ``B x k'`` mask of the rows that hold at
         least one real token (None when every row does).
         """
-        T, B, C = x.shape
-        if T > self.max_positions:
+        if x.size(0) > self.max_positions:
             raise ValueError(
-                f"sequence length {T} exceeds max_positions {self.max_positions} of the "
+                f"sequence length {x.size(0)} exceeds max_positions {self.max_positions} of the "
                 f"Linformer projection (its E/F matrices are k x max_positions)"
             )
-        if pad_mask is not None and not padding_masked:
-            x = self.mask_padding(x, pad_mask)
         if self.kind == "linear":
             return self._linear(x), None
         return self._pooled(x, pad_mask)
@@ -100,15 +91,17 @@ class SequenceProjection(nn.Module):
     def _pooled(self, x: Tensor, pad_mask: Optional[Tensor]):
         T, B, C = x.shape
         s = self.stride
-        fill = float("-inf") if self.kind == "max" else 0.0
         rows = -(-T // s)
         tail = rows * s - T
+        fill = float("-inf") if self.kind == "max" else 0.0  # what the tail must not change
         windows = F.pad(x, (0, 0, 0, 0, 0, tail), value=fill).view(rows, s, B, C)
         real = kept = None
         if pad_mask is not None:
             real = F.pad(~pad_mask, (0, tail), value=False).view(B, rows, s)
             kept = real.any(-1)
         if self.kind == "max":
+            if real is not None:  # the zeros at pads must not win the max
+                windows = windows.masked_fill(~real.permute(1, 2, 0).unsqueeze(-1), float("-inf"))
             out = windows.amax(dim=1)
             if kept is not None:  # a window of padding only is -inf: make it a harmless 0
                 out = out.masked_fill(~kept.t().unsqueeze(-1), 0.0)
@@ -194,14 +187,14 @@ class LinformerMultiheadAttention(nn.Module):
 
     def project_keys_values(self, x: Tensor, pad_mask: Optional[Tensor]):
         """Projected keys and values, ``k' x B x C`` each, and the ``B x k'`` row mask."""
+        if pad_mask is not None:  # pads then contribute nothing to E X (nor to X W, bias-free)
+            x = x.masked_fill(pad_mask.t().unsqueeze(-1), 0.0)
         if self.compress_sharing == "none":
             k, kept = self.compress_k(F.linear(x, self.k_proj.weight), pad_mask)
             v, _ = self.compress_v(F.linear(x, self.v_proj.weight), pad_mask)
             return k + self.k_proj.bias, v + self.v_proj.bias, kept
-        if pad_mask is not None:  # once for E and F
-            x = self.compress_k.mask_padding(x, pad_mask)
-        xk, kept = self.compress_k(x, pad_mask, padding_masked=True)
-        xv = xk if self.compress_v is None else self.compress_v(x, pad_mask, padding_masked=True)[0]
+        xk, kept = self.compress_k(x, pad_mask)
+        xv = xk if self.compress_v is None else self.compress_v(x, pad_mask)[0]
         return self.k_proj(xk), self.v_proj(xv), kept
 
     def forward(
@@ -236,7 +229,7 @@ class LinformerMultiheadAttention(nn.Module):
 
         k, v, kept = self.project_keys_values(query, key_padding_mask)
         rows = k.size(0)
-        # B x H x len x D views; SDPA accepts these strides without copies
+        # B x H x len x D as views of the T x B x C layout (no copies here)
         q = self.q_proj(query).view(T, B, H, D).permute(1, 2, 0, 3)
         k = k.view(rows, B, H, D).permute(1, 2, 0, 3)
         v = v.view(rows, B, H, D).permute(1, 2, 0, 3)

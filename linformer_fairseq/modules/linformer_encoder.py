@@ -93,8 +93,6 @@ class LinformerTransformerEncoder(TransformerEncoderBase):
         if args.compress_sharing == "layerwise":
             if not hasattr(self, "compress_layer"):
                 self.compress_layer = SequenceProjection(args.compress_type, args.max_positions, compressed_dim)
-                if args.freeze_compress and self.compress_layer.weight is not None:
-                    self.compress_layer.weight.requires_grad_(False)
             shared = self.compress_layer
         layer = LinformerEncoderLayer(cfg, args, compressed_dim, shared)
         # same wrapping as fairseq's own encoder, so --checkpoint-activations and FSDP apply

@@ -12,6 +12,7 @@ from fairseq.modules import MultiheadAttention
 import linformer_fairseq  # noqa: F401  (registers the model)
 from linformer_fairseq.models.linformer_roberta import LinformerRobertaConfig, LinformerRobertaModel
 from linformer_fairseq.modules import COMPRESS_SHARING, COMPRESS_TYPES, LinformerMultiheadAttention
+from linformer_fairseq.modules.linformer_attention import LENGTH_NORM_POWERS, SequenceProjection
 
 VOCAB = 50
 
@@ -57,11 +58,13 @@ def test_exact_against_fairseq_attention_when_k_equals_n_and_projections_are_ide
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("kind,sharing", itertools.product(COMPRESS_TYPES, COMPRESS_SHARING))
-def test_padding_invariance_and_backward(kind, sharing):
+@pytest.mark.parametrize("kind,sharing,length_norm", itertools.product(COMPRESS_TYPES, COMPRESS_SHARING, LENGTH_NORM_POWERS))
+def test_padding_invariance_and_backward(kind, sharing, length_norm):
     """A sentence's outputs at its real tokens do not depend on how far its batch pads it,
-    at T < n and T = n; every kind trains (finite gradients reach the projections)."""
-    model = build_model(compress_type=kind, compress_sharing=sharing)
+    at T < n and T = n, with every length handling; every kind trains (finite gradients
+    reach the projections)."""
+    model = build_model(compress_type=kind, compress_sharing=sharing, compress_length_norm=length_norm,
+                        compress_init="xavier")
     n = model.encoder.args.max_positions
     for short_len, batch_len in ((11, 20), (19, n)):
         short, long_ = tokens(short_len, seed=1), tokens(batch_len, seed=2)
@@ -166,6 +169,8 @@ def test_checkpoint_activations_gives_same_gradients():
         (dict(compressed_dim=64), "k=64 must be in 1..max_positions"),
         (dict(compress_sharing="diagonal"), "unknown compress_sharing"),
         (dict(compress_type="fft"), "unknown compress_type"),
+        (dict(compress_length_norm="cube"), "unknown compress_length_norm"),
+        (dict(compress_init="zeros"), "unknown compress_init"),
         (dict(layer_compressed_dims="8,8,8"), "3 values for 2 encoder layers"),
         (dict(layer_compressed_dims="8,x"), "comma-separated integers"),
         (dict(compress_type="mean", compressed_dim=5), r"needs max_positions \(32\) divisible by k \(5\)"),
@@ -207,3 +212,65 @@ def test_architectures_from_fairseq_train_flags(arch, layers, dim, tmp_path):
     model_cfg = convert_namespace_to_omegaconf(args).model
     assert (model_cfg.encoder_layers, model_cfg.encoder_embed_dim) == (layers, dim)
     assert (model_cfg.max_positions, model_cfg.compressed_dim, model_cfg.compress_sharing) == (512, 64, "layerwise")
+
+
+@pytest.mark.parametrize("length_norm,groups", itertools.product(LENGTH_NORM_POWERS, (1, 3)))
+def test_length_norm_scales_each_sentence_by_its_own_length(length_norm, groups):
+    """With E constant, a constant input projects at T real tokens to T/n of its rows at
+    T = n; the (n/T)^p factor, T read per sentence from the padding mask, must leave exactly
+    (T/n)^(1-p) of it: equal rows at every length under ``linear``."""
+    n, k, C = 32, 8, 6
+    proj = SequenceProjection("linear", n, k, groups=groups, length_norm=length_norm)
+    with torch.no_grad():
+        proj.weight.fill_(1.0 / n)
+    lengths = torch.tensor([n, 20, 5, 1])
+    pad_mask = torch.arange(n).unsqueeze(0) >= lengths.unsqueeze(1)  # B x n, True at pads
+    x = torch.full((n, len(lengths), C), 3.0).masked_fill(pad_mask.t().unsqueeze(-1), 0.0)
+    out, kept = proj(x, pad_mask)
+    assert kept is None and out.shape == (k, len(lengths), C)
+    p = LENGTH_NORM_POWERS[length_norm]
+    for b, T in enumerate(lengths.tolist()):
+        expected = 3.0 * (T / n) ** (1 - p)
+        torch.testing.assert_close(out[:, b], torch.full((k, C), expected), atol=1e-5, rtol=0)
+    # no padding mask: T is the input's own length
+    alone, _ = proj(x[:5, 2:3], None)
+    torch.testing.assert_close(alone, out[:, 2:3], atol=1e-6, rtol=0)
+
+
+def test_mean_init_is_mean_pooling_and_normal_init_matches_the_original():
+    n, k = 64, 16
+    x = torch.randn(n, 2, 8)
+    mean_init = SequenceProjection("linear", n, k, init="mean")
+    pooled, _ = SequenceProjection("mean", n, k)(x, None)
+    torch.testing.assert_close(mean_init(x, None)[0], pooled, atol=1e-6, rtol=0)
+    torch.manual_seed(0)
+    normal = SequenceProjection("linear", 512, 128, init="normal").weight
+    assert abs(normal.mean().item()) < 1e-3 and abs(normal.std().item() - 0.02) < 5e-4
+    xavier = SequenceProjection("linear", 512, 128, init="xavier").weight
+    assert abs(xavier.std().item() - 0.0395) < 1e-3
+
+
+@pytest.mark.parametrize("trained,built", [("sqrt", "linear"), ("linear", "none"), ("none", "sqrt")])
+def test_checkpoint_carries_its_length_norm(trained, built):
+    """A model built with another setting takes the checkpoint's when loading it, for every
+    sharing level's projections, and then gives the trained model's outputs on short input."""
+    for sharing in ("headwise", "layerwise", "none"):
+        src = tokens(9, batch=2)
+        trained_model = build_model(compress_length_norm=trained, compress_sharing=sharing)
+        loaded = build_model(compress_length_norm=built, compress_sharing=sharing)
+        loaded.load_state_dict(trained_model.state_dict())
+        powers = {m.length_power for m in loaded.modules() if isinstance(m, SequenceProjection)}
+        assert powers == {LENGTH_NORM_POWERS[trained]}, sharing
+        with torch.no_grad():
+            torch.testing.assert_close(features(loaded, src), features(trained_model, src), atol=1e-6, rtol=0)
+
+
+def test_checkpoint_without_length_norm_loads_as_none():
+    """Checkpoints older than the option (the original example's) were trained without it."""
+    old = build_model(compress_length_norm="none")
+    state = {k: v for k, v in old.state_dict().items() if not k.endswith("length_norm_power")}
+    new = build_model(compress_length_norm="linear")
+    new.load_state_dict(state)
+    src = tokens(7)
+    with torch.no_grad():
+        torch.testing.assert_close(features(new, src), features(old, src), atol=1e-6, rtol=0)

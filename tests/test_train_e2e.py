@@ -13,7 +13,7 @@ from conftest import REPO, run
 import linformer_fairseq  # noqa: F401
 
 SMALL = dict(encoder_layers=2, encoder_embed_dim=64, encoder_ffn_embed_dim=128, encoder_attention_heads=4,
-             max_positions=64, compressed_dim=16, compress_sharing="kv")
+             max_positions=64, compressed_dim=16, compress_sharing="kv", compress_length_norm="sqrt")
 
 
 def flag(name):
@@ -58,6 +58,9 @@ def test_fairseq_train_learns_resumes_and_loads_through_the_hub(wikitext_bin, tm
 
     hub = LinformerRobertaModel.from_pretrained(str(save), "checkpoint_last.pt", str(wikitext_bin), bpe=None).eval()
     assert hub.model.encoder.args.compress_sharing == "kv"
+    # the length handling it was trained with (not the default) comes back with the weights
+    powers = {m.length_power for m in hub.model.modules() if hasattr(m, "length_power")}
+    assert powers == {0.5}, powers
     tokens = hub.task.source_dictionary.encode_line("the game was released in japan", add_if_not_exist=False).long()
     tokens = torch.cat([tokens.new_tensor([0]), tokens])
     state = torch.load(save / "checkpoint_last.pt")["model"]

@@ -16,7 +16,7 @@ from fairseq.models.roberta.model import base_architecture as roberta_base_archi
 from fairseq.modules.transformer_sentence_encoder import init_bert_params
 from omegaconf import OmegaConf, open_dict
 
-from ..modules.linformer_attention import COMPRESS_SHARING, COMPRESS_TYPES
+from ..modules.linformer_attention import COMPRESS_INITS, COMPRESS_SHARING, COMPRESS_TYPES, LENGTH_NORM_POWERS
 from ..modules.linformer_encoder import LinformerTransformerEncoder
 
 
@@ -86,6 +86,18 @@ class LinformerRobertaConfig(FairseqDataclass):
         default="linear",
         metadata={"help": "projection: linear (learned E), mean/max pooling or conv, with window and stride n/k"},
     )
+    compress_length_norm: ChoiceEnum(tuple(LENGTH_NORM_POWERS)) = field(
+        default="linear",
+        metadata={
+            "help": "linear projections: multiply each sentence's projected rows by (n/T)^p, T its own "
+            "length: none (p=0, the original example), sqrt (p=0.5), linear (p=1; keeps short inputs "
+            "at the scale of full blocks). Saved in checkpoints: loading one restores what it was trained with"
+        },
+    )
+    compress_init: ChoiceEnum(COMPRESS_INITS) = field(
+        default="normal",
+        metadata={"help": "linear projections' init: normal N(0, 0.02) as the original, xavier, or mean (mean pooling)"},
+    )
     freeze_compress: int = field(default=0, metadata={"help": "1: freeze the projection parameters"})
     shared_kv_compressed: int = field(default=0, metadata={"help": "legacy: 1 means --compress-sharing kv"})
     shared_layer_kv_compressed: int = field(
@@ -110,7 +122,14 @@ def resolve_linformer_args(args) -> List[int]:
         raise ValueError(f"unknown compress_sharing {sharing!r}; expected one of {COMPRESS_SHARING}")
     if str(args.compress_type) not in COMPRESS_TYPES:
         raise ValueError(f"unknown compress_type {args.compress_type!r}; expected one of {COMPRESS_TYPES}")
+    if str(args.compress_length_norm) not in LENGTH_NORM_POWERS:
+        raise ValueError(
+            f"unknown compress_length_norm {args.compress_length_norm!r}; expected one of {tuple(LENGTH_NORM_POWERS)}"
+        )
+    if str(args.compress_init) not in COMPRESS_INITS:
+        raise ValueError(f"unknown compress_init {args.compress_init!r}; expected one of {COMPRESS_INITS}")
     args.compress_sharing, args.compress_type = sharing, str(args.compress_type)
+    args.compress_length_norm, args.compress_init = str(args.compress_length_norm), str(args.compress_init)
 
     n, layers = args.max_positions, args.encoder_layers
     if args.layer_compressed_dims:

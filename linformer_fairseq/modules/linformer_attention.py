@@ -5,6 +5,7 @@ Shapes follow fairseq: activations are ``T x B x C`` (time, batch, channels), pa
 are ``B x T`` with True at pad positions. Padding must be on the right (fairseq's
 ``RightPadDataset``, used by the masked_lm and sentence_prediction tasks).
 """
+import logging
 import math
 from typing import Optional, Tuple
 
@@ -14,6 +15,11 @@ from torch import Tensor, nn
 
 COMPRESS_SHARING = ("none", "headwise", "kv", "layerwise")
 COMPRESS_TYPES = ("linear", "mean", "max", "conv")
+# p in the factor (n / T)^p applied to a linear projection of a T-token sentence
+LENGTH_NORM_POWERS = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}
+COMPRESS_INITS = ("normal", "xavier", "mean")
+
+logger = logging.getLogger(__name__)
 
 
 class SequenceProjection(nn.Module):
@@ -22,33 +28,47 @@ class SequenceProjection(nn.Module):
     Kinds (``n`` = max_positions, ``s = n // k``):
 
     - ``linear``: a learned ``k x n`` matrix; an input of T < n positions uses its first T
-      columns, so the output always has k rows (the original fairseq behaviour). Its rows
-      are sums over the real tokens, so their scale grows with T: models pretrained on full
-      blocks see smaller keys on short inputs (mean pooling does not).
+      columns, so the output always has k rows. Each row is a sum over the T real tokens, so
+      its size grows with T: a model pretrained on full blocks would see keys and values
+      shrunk to about T/n of their trained size on short inputs (GLUE sentences are ~5% of
+      n=512). ``length_norm`` undoes that per sentence: rows are multiplied by (n / T)^p, T
+      being the sentence's own number of real tokens, p = 0 (``none``, the original
+      example), 0.5 (``sqrt``) or 1 (``linear``); the factor is 1 at T = n.
     - ``mean`` / ``max``: pooling over windows of s positions; ``conv``: a learned kernel of
       width s applied with stride s (a block-structured E, initialised to mean pooling). An
-      input of T positions gives ``ceil(T / s)`` rows; rows whose window holds only padding
-      are reported as empty.
+      input of T positions gives ``ceil(T / s)`` rows, each normalised by its own window, so
+      they need no length handling; rows whose window holds only padding are reported as
+      empty.
 
     With ``groups > 1`` (sharing level "none") the channels are split into ``groups`` heads and
     each head gets its own matrix or kernel.
 
     Pad positions never contribute (the caller zeroes them; pooling also leaves them out of
     its counts and maxima): a sentence projects to the same rows however far its batch pads it.
+
+    A linear projection stores its length handling in the buffer ``length_norm_power``, so a
+    checkpoint carries the behaviour it was trained with and loading it restores that
+    behaviour whatever the model was built with; checkpoints without the buffer (the
+    original example's, and this plugin's before the option existed) load as ``none``.
     """
 
-    def __init__(self, kind: str, max_positions: int, k: int, groups: int = 1):
+    def __init__(
+        self, kind: str, max_positions: int, k: int, groups: int = 1, length_norm: str = "none", init: str = "normal"
+    ):
         super().__init__()
         assert kind in COMPRESS_TYPES, f"compress type must be one of {COMPRESS_TYPES}, got {kind!r}"
         assert 0 < k <= max_positions, f"need 0 < k <= max_positions, got k={k}, n={max_positions}"
+        assert length_norm in LENGTH_NORM_POWERS, (
+            f"length norm must be one of {tuple(LENGTH_NORM_POWERS)}, got {length_norm!r}"
+        )
+        assert init in COMPRESS_INITS, f"compress init must be one of {COMPRESS_INITS}, got {init!r}"
         self.kind, self.max_positions, self.k, self.groups = kind, max_positions, k, groups
         self.stride = max_positions // k
         if kind == "linear":
             shape = (k, max_positions) if groups == 1 else (groups, k, max_positions)
-            self.weight = nn.Parameter(torch.empty(shape))
-            # the original Linformer's init: xavier with fan_in n, fan_out k
-            bound = math.sqrt(6.0 / (max_positions + k)) / math.sqrt(2.0)
-            nn.init.uniform_(self.weight, -bound, bound)
+            self.weight = nn.Parameter(self._initial_matrix(init, shape))
+            self.length_power = LENGTH_NORM_POWERS[length_norm]
+            self.register_buffer("length_norm_power", torch.tensor(self.length_power))
         elif kind == "conv":
             assert max_positions % k == 0, (
                 f"compress type conv needs max_positions ({max_positions}) divisible by k ({k})"
@@ -60,8 +80,36 @@ class SequenceProjection(nn.Module):
             )
             self.register_parameter("weight", None)
 
+    @staticmethod
+    def _initial_matrix(init: str, shape) -> Tensor:
+        """``normal``: N(0, 0.02), what fairseq's init_bert_params gives the original
+        example's nn.Linear projections; ``xavier``: uniform with fan_in n, fan_out k, gain
+        1/sqrt(2) (std 0.040 at n=512, k=128); ``mean``: row j averages positions
+        [j n/k, (j+1) n/k), i.e. starts as mean pooling."""
+        k, n = shape[-2:]
+        if init == "normal":
+            return torch.randn(shape) * 0.02
+        if init == "xavier":
+            bound = math.sqrt(6.0 / (n + k)) / math.sqrt(2.0)
+            return torch.empty(shape).uniform_(-bound, bound)
+        window = torch.arange(n) * k // n  # the row each position falls in
+        E = (window.unsqueeze(0) == torch.arange(k).unsqueeze(1)).float()
+        return (E / E.sum(1, keepdim=True)).expand(shape).clone()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        if self.kind == "linear":
+            key = prefix + "length_norm_power"
+            saved = state_dict.setdefault(key, torch.tensor(0.0))  # older checkpoints: "none"
+            power = float(saved)
+            if power != self.length_power:
+                name = {v: k for k, v in LENGTH_NORM_POWERS.items()}.get(power, power)
+                logger.info(f"{prefix or 'projection '}: using the checkpoint's compress length norm {name!r}")
+            self.length_power = power
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
     def extra_repr(self) -> str:
-        return f"{self.kind}, n={self.max_positions}, k={self.k}, groups={self.groups}"
+        power = f", length_power={self.length_power}" if self.kind == "linear" else ""
+        return f"{self.kind}, n={self.max_positions}, k={self.k}, groups={self.groups}{power}"
 
     def forward(self, x: Tensor, pad_mask: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
         """x: ``T x B x C`` with zeros at its pad positions; pad_mask: ``B x T`` (True at
@@ -76,17 +124,24 @@ class SequenceProjection(nn.Module):
                 f"Linformer projection (its E/F matrices are k x max_positions)"
             )
         if self.kind == "linear":
-            return self._linear(x), None
+            return self._linear(x, pad_mask), None
         return self._pooled(x, pad_mask)
 
-    def _linear(self, x: Tensor) -> Tensor:
+    def _linear(self, x: Tensor, pad_mask: Optional[Tensor]) -> Tensor:
         T, B, C = x.shape
         E = self.weight[..., :T]
         if self.groups == 1:
             # T x B x C is T x (B*C) in memory: one GEMM, no permute
-            return torch.matmul(E, x.reshape(T, B * C)).view(self.k, B, C)
-        x = x.reshape(T, B, self.groups, C // self.groups)
-        return torch.einsum("gkt,tbgd->kbgd", E, x).reshape(self.k, B, C)
+            out = torch.matmul(E, x.reshape(T, B * C)).view(self.k, B, C)
+        else:
+            x = x.reshape(T, B, self.groups, C // self.groups)
+            out = torch.einsum("gkt,tbgd->kbgd", E, x).reshape(self.k, B, C)
+        if self.length_power == 0.0:
+            return out
+        if pad_mask is None:
+            return out * (self.max_positions / T) ** self.length_power
+        lengths = (~pad_mask).sum(1).clamp(min=1).to(out.dtype)  # each sentence's own T
+        return out * (self.max_positions / lengths).pow(self.length_power).view(1, B, 1)
 
     def _pooled(self, x: Tensor, pad_mask: Optional[Tensor]):
         T, B, C = x.shape
@@ -147,6 +202,8 @@ class LinformerMultiheadAttention(nn.Module):
         compress_type: str = "linear",
         shared_projection: Optional[SequenceProjection] = None,
         freeze_compress: bool = False,
+        compress_length_norm: str = "none",
+        compress_init: str = "normal",
     ):
         super().__init__()
         assert embed_dim % num_heads == 0, (
@@ -174,7 +231,9 @@ class LinformerMultiheadAttention(nn.Module):
 
         def projection():
             groups = num_heads if compress_sharing == "none" else 1
-            return SequenceProjection(compress_type, max_positions, compressed_dim, groups)
+            return SequenceProjection(
+                compress_type, max_positions, compressed_dim, groups, compress_length_norm, compress_init
+            )
 
         self.compress_k = shared_projection or projection()
         self.compress_v = projection() if compress_sharing in ("none", "headwise") else None

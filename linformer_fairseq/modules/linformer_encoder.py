@@ -39,6 +39,8 @@ class LinformerEncoderLayer(TransformerEncoderLayerBase):
             compress_type=args.compress_type,
             shared_projection=shared_projection,
             freeze_compress=bool(args.freeze_compress),
+            compress_length_norm=args.compress_length_norm,
+            compress_init=args.compress_init,
         )
 
     def feed_forward_block(self, x: Tensor) -> Tensor:
@@ -92,7 +94,9 @@ class LinformerTransformerEncoder(TransformerEncoderBase):
         shared = None
         if args.compress_sharing == "layerwise":
             if not hasattr(self, "compress_layer"):
-                self.compress_layer = SequenceProjection(args.compress_type, args.max_positions, compressed_dim)
+                self.compress_layer = SequenceProjection(
+                    args.compress_type, args.max_positions, compressed_dim, 1, args.compress_length_norm, args.compress_init
+                )
             shared = self.compress_layer
         layer = LinformerEncoderLayer(cfg, args, compressed_dim, shared)
         # same wrapping as fairseq's own encoder, so --checkpoint-activations and FSDP apply

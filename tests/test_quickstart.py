@@ -12,8 +12,8 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "quickstart.sh"
 
 
-def quickstart(out):
-    r = subprocess.run([str(SCRIPT), "--out", str(out)], capture_output=True, text=True,
+def quickstart(out, *extra):
+    r = subprocess.run([str(SCRIPT), "--out", str(out), *extra], capture_output=True, text=True,
                        env={**os.environ, "PYTHON": sys.executable})
     assert r.returncode == 0, f"quickstart failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r.stdout + r.stderr
@@ -64,6 +64,29 @@ def test_second_run_reuses_every_step(run):
                  "pretrain", "finetune-sst2"):
         assert f"skip {step}" in again, step
     assert results(again) == results(stdout)
+
+
+def test_roberta_baseline_beside_the_linformer(run):
+    """--roberta trains fairseq's RoBERTa of the same size on the same data and budget, next to
+    the Linformer's outputs, reusing the data steps."""
+    import torch
+
+    import linformer_fairseq  # noqa: F401  (allow-lists the Namespace in RoBERTa's checkpoint)
+
+    out, stdout = run
+    baseline = quickstart(out, "--roberta")
+    for step in ("corpus", "sentencepiece training", "binarizing", "SST-2"):
+        assert f"skip {step}" in baseline, step
+    (first, last, _), (accuracy, majority) = results(baseline)
+    assert last < first and accuracy > majority
+    assert f"logs: {out}/logs/pretrain-roberta.log and {out}/logs/finetune-sst2-roberta.log" in baseline
+    models = {}
+    for name in ("pretrain", "pretrain-roberta"):
+        cfg = torch.load(out / "checkpoints" / name / "checkpoint_best.pt")["cfg"]["model"]
+        cfg = cfg if isinstance(cfg, dict) else {**vars(cfg), "_name": cfg.arch}  # RoBERTa's is a Namespace
+        models[name] = (cfg["_name"], cfg["encoder_layers"], cfg["encoder_embed_dim"])
+    assert models == {"pretrain": ("linformer_roberta_base", 2, 128), "pretrain-roberta": ("roberta_base", 2, 128)}
+    assert results(stdout) == results(quickstart(out)), "the baseline changed the Linformer's results"
 
 
 def test_help_and_bad_argument():

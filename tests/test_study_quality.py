@@ -1,0 +1,48 @@
+"""scripts/study_quality.sh end to end at tiny size on the bundled sample: data, pretraining,
+the short-input table, SST-2 finetuning over seeds, timing and the report; resuming a
+finished study redoes nothing; another study's settings in the same folder are refused."""
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, SAMPLE, run
+
+pytestmark = pytest.mark.slow
+
+
+def study(out, *extra):
+    return [sys.executable, REPO / "scripts" / "study_quality.py", "--out", out, "--size", "tiny",
+            "--wikitext", SAMPLE / "wikitext-2", "--books", SAMPLE / "books", "--sst2", SAMPLE / "glue" / "SST-2",
+            "--vocab-size", "1000", "--sst2-train-rows", "200", "--finetune-epochs", "1", "--seeds", "2",
+            "--eval-blocks", "20", "--valid-batches", "2", "--lr", "5e-3", *extra]
+
+
+def test_study_runs_end_to_end_and_resumes(tmp_path):
+    out = tmp_path / "study"
+    cmd = study(out, "--budget", "16", "--runs", "roberta", "linformer", "length-norm-none")
+    run(cmd, timeout=900)
+
+    rows = {r["name"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert set(rows) == {"roberta", "linformer", "length-norm-none"}
+    n, k, layers = 64, 8, 2
+    for name, r in rows.items():
+        curve = json.loads((out / "results.json").read_text())["curves"][name]
+        assert [u for u, _ in curve] == list(range(2, 17, 2)), curve
+        assert curve[-1][1] < curve[0][1], f"{name}: validation perplexity did not fall: {curve}"
+        assert sorted(map(int, r["short"])) == [n // 16, n // 8, n // 4, n]
+        assert all(0 < loss < 20 for loss in r["short"].values()), r["short"]
+        assert len(r["sst2"]) == 2 and all(0 <= a <= 100 for a in r["sst2"]), r["sst2"]
+        assert r["seconds_per_update"] > 0
+    # same model but for E and F (k x n, two per layer under headwise sharing)
+    assert rows["linformer"]["parameters"] - rows["roberta"]["parameters"] == 2 * k * n * layers
+    assert rows["linformer"]["flags"].endswith("--compress-length-norm linear --compress-init normal")
+    report = (out / "report.md").read_text()
+    assert all(f"| {name} |" in report for name in rows)
+    assert (out / "perplexity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    again = run(cmd, timeout=300).stdout
+    assert ": pretraining" not in again and ": SST-2 finetuning" not in again, again[-2000:]
+
+    refused = subprocess.run(study(out, "--budget", "32", "--runs", "roberta"), capture_output=True, text=True)
+    assert refused.returncode != 0 and "other settings" in refused.stderr, refused.stderr

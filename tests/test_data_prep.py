@@ -55,18 +55,25 @@ def sample(tmp_path_factory):
     """corpus -> spm (vocab 1000) -> encode -> 2 shards, on data/sample, through the CLIs."""
     out = tmp_path_factory.mktemp("sample")
     logs = {}
-    _, logs["corpus"] = sh("corpus.sh", "--out", out / "corpus", "--valid-docs", 4,
-                           "--wikitext", SAMPLE / "wikitext-2/wiki.train.tokens",
-                           SAMPLE / "wikitext-2/wiki.valid.tokens", "--books", SAMPLE / "books")
-    _, logs["spm"] = sh("spm.sh", "train", "--corpus", out / "corpus/train.txt",
-                        "--out", out / "spm", "--vocab-size", 1000, "--workers", 2)
-    _, logs["encode"] = sh("spm.sh", "encode", "--model", out / "spm/spm.model", "--workers", 2,
-                           "--inputs", out / "corpus/train.txt", out / "corpus/valid.txt",
-                           "--outputs", out / "train.spm", out / "valid.spm")
-    _, logs["binarize"] = sh("binarize.sh", "--train", out / "train.spm", "--valid",
-                             out / "valid.spm", "--srcdict", out / "spm/dict.txt",
-                             "--destdir", out / "data-bin", "--shards", 2, "--workers", 2)
+    for step, (script, *args) in _sample_steps(out).items():
+        _, logs[step] = sh(script, *args)
     return out, logs
+
+
+def _sample_steps(out):
+    return {
+        "corpus": ("corpus.sh", "--out", out / "corpus", "--valid-docs", 4,
+                   "--wikitext", SAMPLE / "wikitext-2/wiki.train.tokens",
+                   SAMPLE / "wikitext-2/wiki.valid.tokens", "--books", SAMPLE / "books"),
+        "spm": ("spm.sh", "train", "--corpus", out / "corpus/train.txt",
+                "--out", out / "spm", "--vocab-size", 1000, "--workers", 2),
+        "encode": ("spm.sh", "encode", "--model", out / "spm/spm.model", "--workers", 2,
+                   "--inputs", out / "corpus/train.txt", out / "corpus/valid.txt",
+                   "--outputs", out / "train.spm", out / "valid.spm"),
+        "binarize": ("binarize.sh", "--train", out / "train.spm", "--valid",
+                     out / "valid.spm", "--srcdict", out / "spm/dict.txt",
+                     "--destdir", out / "data-bin", "--shards", 2, "--workers", 2),
+    }
 
 
 def test_sample_corpus_counts(sample):
@@ -473,16 +480,9 @@ def _mtimes(folder):
 def test_second_run_does_no_work(sample):
     out, _ = sample
     before = _mtimes(out)
-    for script, args in (
-            ("corpus.sh", ["--out", out / "corpus", "--books", SAMPLE / "books"]),
-            ("spm.sh", ["train", "--corpus", out / "corpus/train.txt", "--out", out / "spm"]),
-            ("spm.sh", ["encode", "--model", out / "spm/spm.model", "--inputs",
-                        out / "corpus/train.txt", "--outputs", out / "train.spm"]),
-            ("binarize.sh", ["--train", out / "train.spm", "--valid", out / "valid.spm",
-                             "--srcdict", out / "spm/dict.txt", "--destdir", out / "data-bin",
-                             "--shards", 2])):
+    for script, *args in _sample_steps(out).values():
         _, log = sh(script, *args)
-        assert "skip" in log
+        assert "skip" in log and "is up to date" in log
     assert _mtimes(out) == before
 
 
@@ -604,7 +604,7 @@ def test_too_many_shards(sample, tmp_path):
     (tmp_path / "two.txt").write_text("a b\n\nc d\n\n")
     with pytest.raises(PrepError, match="2 documents cannot fill 3 shards"):
         binarize.binarize(tmp_path / "two.txt", tmp_path / "two.txt", out / "spm/dict.txt",
-                          tmp_path / "bin", 3, 1)
+                          tmp_path / "bin", 3, 1, max_unk_rate=1)
 
 
 @pytest.mark.parametrize("script", ["corpus.sh", "spm.sh", "binarize.sh", "glue.sh", "imdb.sh"])
@@ -619,8 +619,9 @@ PAYLOAD = bytes(range(256)) * 400
 
 
 class Server(BaseHTTPRequestHandler):
-    """Serves `files` on 127.0.0.1, honouring Range requests if `honour_range`."""
-    files, honour_range, ranges = {}, True, []
+    """Serves `files` on 127.0.0.1, honouring Range requests if `honour_range` (but never
+    If-Range, like the worst servers), with the ETag of `etags`; `cut` bytes, then hangs up."""
+    files, honour_range, ranges, etags, cut = {}, True, [], {}, None
 
     def do_GET(self):
         data = self.files.get(self.path)
@@ -636,8 +637,11 @@ class Server(BaseHTTPRequestHandler):
         else:
             self.send_response(200)
         self.send_header("Content-Length", str(len(data) - start))
+        if self.path in self.etags:
+            self.send_header("ETag", self.etags[self.path])
         self.end_headers()
-        self.wfile.write(data[start:])
+        self.wfile.write(data[start:self.cut])
+        self.close_connection = True
 
     def log_message(self, *args):
         pass
@@ -645,7 +649,7 @@ class Server(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server():
-    Server.files, Server.honour_range, Server.ranges = {}, True, []
+    Server.files, Server.honour_range, Server.ranges, Server.etags, Server.cut = {}, True, [], {}, None
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Server)
     threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}/"
@@ -656,6 +660,8 @@ def server():
 def test_download_resumes_with_range(tmp_path, server, honour_range):
     Server.files, Server.honour_range = {"/data.bin": PAYLOAD}, honour_range
     (tmp_path / "data.bin.part").write_bytes(PAYLOAD[:1000])  # an interrupted download
+    (tmp_path / "data.bin.part.json").write_text(json.dumps(  # and what the server offered
+        {"url": server + "data.bin", "etag": None, "last_modified": None, "length": len(PAYLOAD)}))
     assert common.download(server + "data.bin", tmp_path / "data.bin") == tmp_path / "data.bin"
     assert (tmp_path / "data.bin").read_bytes() == PAYLOAD
     assert Server.ranges == ["bytes=1000-"]
@@ -692,3 +698,248 @@ def test_glue_download_unpacks_zips_and_builds_mrpc(tmp_path, server, monkeypatc
     mrpc = {s.name: s for s in glue.read_task(tmp_path / "glue_data", "MRPC")}
     assert mrpc["valid"].inputs == [["one 1 ."], ["two 1 ."]] and len(mrpc["train"].labels) == 3
     assert sorted(p.name for p in (tmp_path / "glue_data").iterdir()) == ["MRPC", "SST-2", "downloads"]
+
+
+# ---------------------------------------------------------------- a bad sentencepiece model
+
+def sh_bounded(script, *args, timeout=30):
+    """sh() with a time limit: a hung step fails the test instead of hanging it."""
+    proc = subprocess.Popen([str(DP / script), *map(str, args)], env=ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the step and its worker processes
+        proc.communicate()
+        pytest.fail(f"{script} did not stop within {timeout} s")
+    return proc.returncode, out
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_bad_spm_model_fails_at_once(tmp_path, workers):
+    (tmp_path / "spm.vocab").write_text("<unk>\t0\n<s>\t0\n")  # not a model
+    (tmp_path / "in.txt").write_text("some text\n" * 10)
+    (tmp_path / "dict.txt").write_text("a 1\n")
+    expected = f"error: {tmp_path / 'spm.vocab'}: not a sentencepiece model"
+    code, log = sh_bounded("spm.sh", "encode", "--model", tmp_path / "spm.vocab", "--workers",
+                           workers, "--inputs", tmp_path / "in.txt", "--outputs", tmp_path / "out")
+    assert code == 1 and expected in log and "Traceback" not in log
+    assert not (tmp_path / "out").exists()
+    make_glue_task(tmp_path / "glue", "RTE")
+    code, log = sh_bounded("glue.sh", "--glue-dir", tmp_path / "glue", "--tasks", "RTE",
+                           "--spm-model", tmp_path / "spm.vocab", "--srcdict", tmp_path / "dict.txt",
+                           "--destdir", tmp_path / "bin", "--workers", workers)
+    assert code == 1 and expected in log and "Traceback" not in log
+    make_imdb_tarball(tmp_path / "aclImdb_v1.tar.gz")
+    code, log = sh_bounded("imdb.sh", "--tarball", tmp_path / "aclImdb_v1.tar.gz", "--valid-size", 2,
+                           "--spm-model", tmp_path / "spm.vocab", "--srcdict", tmp_path / "dict.txt",
+                           "--destdir", tmp_path / "bin", "--workers", workers)
+    assert code == 1 and expected in log and "Traceback" not in log
+    assert not (tmp_path / "bin").exists()
+
+
+@pytest.mark.parametrize("failure", ["raises", "dies"])
+def test_worker_failure_cannot_loop(tmp_path, monkeypatch, failure):
+    """A model that loads in the parent but not in the workers, or a worker that dies, fails
+    the step instead of restarting or awaiting the workers forever."""
+    import sentencepiece
+
+    book = SAMPLE / "books/blake-poems.txt"
+    spm.train(book, tmp_path / "spm", 100, 0, "unigram", 1)
+    real, parent = sentencepiece.SentencePieceProcessor, os.getpid()
+
+    def only_in_parent(*args, **kwargs):
+        if os.getpid() != parent:
+            if failure == "dies":
+                os._exit(1)
+            raise RuntimeError("the model vanished")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sentencepiece, "SentencePieceProcessor", only_in_parent)
+    failed = []
+
+    def run():
+        error, match = (RuntimeError, "vanished") if failure == "raises" else \
+            (PrepError, "encoding failed: a worker process died")
+        with pytest.raises(error, match=match):
+            spm.encode(tmp_path / "spm/spm.model", book, tmp_path / "out", 2)
+        failed.append(True)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert failed and not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- re-runs check what an output was made from
+
+def _small_corpus(path, n=300):
+    lines = [l for l in (SAMPLE / "books/blake-poems.txt").read_text().splitlines() if l.strip()]
+    path.write_text("\n".join(lines[:n]) + "\n")
+    return path
+
+
+def test_spm_retrain_with_other_parameters_or_corpus_stops(tmp_path, monkeypatch):
+    corpus_txt = _small_corpus(tmp_path / "train.txt")
+    args = ["train", "--corpus", corpus_txt, "--out", tmp_path / "spm", "--workers", 1]
+    sh("spm.sh", *args, "--vocab-size", 100)
+    model = (tmp_path / "spm/spm.model").read_bytes()
+    _, log = sh("spm.sh", *args, "--vocab-size", 100)
+    assert f"skip sentencepiece training: {tmp_path / 'spm'} is up to date" in log
+    code, log = sh("spm.sh", *args, "--vocab-size", 120, check=False)
+    assert code == 1 and f"error: {tmp_path / 'spm'}: made from other inputs or parameters" in log
+    assert "vocab_size 100 -> 120" in log and "delete it" in log
+    corpus_txt.write_text(corpus_txt.read_text() + "One more line of text.\n")
+    code, log = sh("spm.sh", *args, "--vocab-size", 100, check=False)
+    assert code == 1 and f"corpus {corpus_txt} changed" in log
+    assert (tmp_path / "spm/spm.model").read_bytes() == model
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other/spm.model").write_bytes(model)  # made by hand: no record
+    code, log = sh("spm.sh", "train", "--corpus", corpus_txt, "--out", tmp_path / "other",
+                   "--vocab-size", 100, check=False)
+    assert code == 1 and "no record of what made it" in log and "DATAPREP_ADOPT=1" in log
+    monkeypatch.setenv("DATAPREP_ADOPT", "1")  # the user vouches for it: recorded, kept
+    spm.train(corpus_txt, tmp_path / "other", 100, 0, "unigram", 1)
+    assert (tmp_path / "other/made-from.json").exists()
+    assert (tmp_path / "other/spm.model").read_bytes() == model
+
+
+def test_encode_refuses_its_input_as_output_and_checks_its_inputs(tmp_path):
+    corpus_txt = _small_corpus(tmp_path / "train.txt")
+    spm.train(corpus_txt, tmp_path / "spm", 100, 0, "unigram", 1)
+    text = corpus_txt.read_bytes()
+    code, log = sh("spm.sh", "encode", "--model", tmp_path / "spm/spm.model", "--inputs",
+                   corpus_txt, "--outputs", corpus_txt, check=False)
+    assert code == 1 and f"error: {corpus_txt}: the output is also" in log
+    assert corpus_txt.read_bytes() == text
+    args = ["encode", "--model", tmp_path / "spm/spm.model", "--workers", 1,
+            "--inputs", corpus_txt, "--outputs", tmp_path / "train.spm"]
+    sh("spm.sh", *args)
+    assert "skip encoding" in sh("spm.sh", *args)[1]
+    spm.train(corpus_txt, tmp_path / "spm2", 120, 0, "unigram", 1)
+    code, log = sh("spm.sh", "encode", "--model", tmp_path / "spm2/spm.model", "--inputs",
+                   corpus_txt, "--outputs", tmp_path / "train.spm", check=False)
+    assert code == 1 and f"model {tmp_path / 'spm2/spm.model'} changed" in log
+
+
+def test_binarize_refuses_text_that_was_never_encoded(sample, tmp_path):
+    out, _ = sample
+    args = ["--train", out / "corpus/train.txt", "--valid", out / "corpus/valid.txt",
+            "--srcdict", out / "spm/dict.txt", "--destdir", tmp_path / "bin", "--workers", 1]
+    code, log = sh("binarize.sh", *args, check=False)
+    assert code == 1 and f"error: {out / 'corpus/train.txt'}:" in log
+    assert "not in the dictionary" in log and "never encoded" in log and "--max-unk-rate" in log
+    assert not (tmp_path / "bin").exists()
+    _, log = sh("binarize.sh", *args, "--max-unk-rate", 1)  # knowingly
+    assert (tmp_path / "bin/shard0/train.bin").exists()
+
+
+def test_binarize_rerun_with_other_shards_stops(sample, tmp_path):
+    out, _ = sample
+    args = ["--train", out / "valid.spm", "--valid", out / "valid.spm", "--srcdict",
+            out / "spm/dict.txt", "--destdir", tmp_path / "bin", "--workers", 1]
+    sh("binarize.sh", *args, "--shards", 1)
+    code, log = sh("binarize.sh", *args, "--shards", 2, check=False)
+    assert code == 1 and "shards 1 -> 2" in log and not (tmp_path / "bin/shard1").exists()
+
+
+def test_corpus_rerun_with_other_seed_stops(tmp_path):
+    books = tmp_path / "books"
+    books.mkdir()
+    for i in range(3):
+        (books / f"{i}.txt").write_text(f"Book {i} has one paragraph that is long enough to stay.\n")
+    args = ["--out", tmp_path / "out", "--books", books, "--valid-docs", 1]
+    sh("corpus.sh", *args)
+    assert "skip corpus" in sh("corpus.sh", *args)[1]
+    code, log = sh("corpus.sh", *args, "--seed", 2, check=False)
+    assert code == 1 and "seed 1 -> 2" in log
+
+
+# ---------------------------------------------------------------- books in another encoding
+
+LATIN1_BOOK = ("Caf\xe9 au lait was served in the garden, na\xefvely and with \xe6sthetic care.\n\n"
+               "\xabSo\xbb said the old m\xe2itre d'h\xf4tel, counting his \xa3 and his \xe9cus.\n")
+
+
+def test_latin1_books(tmp_path):
+    books = tmp_path / "books"
+    books.mkdir()
+    (books / "latin1.txt").write_bytes(LATIN1_BOOK.encode("latin-1"))
+    (books / "utf8.txt").write_text("A second book, in UTF-8 \u2014 with a long enough line.\n")
+    code, log = sh("corpus.sh", "--out", tmp_path / "c", "--books", books, "--valid-docs", 1,
+                   check=False)
+    assert code == 1 and f"{books / 'latin1.txt'}:1: not valid UTF-8" in log
+    assert "--books-encoding" in log
+    for encoding in ("cp1252", "auto"):
+        _, log = sh("corpus.sh", "--out", tmp_path / encoding, "--books", books,
+                    "--valid-docs", 1, "--books-encoding", encoding)
+        text = (tmp_path / encoding / "train.txt").read_text() + \
+            (tmp_path / encoding / "valid.txt").read_text()
+        assert "Caf\xe9 au lait" in text and "m\xe2itre d'h\xf4tel, counting his \xa3" in text
+        assert ("\u2014" in text) == (encoding == "auto")  # auto reads utf8.txt as UTF-8
+    assert f"{books / 'latin1.txt'}: not UTF-8, read as cp1252" in log
+    (books / "garbage.txt").write_bytes(bytes(range(256)) * 4)
+    for encoding in ("auto", "latin-1"):
+        code, log = sh("corpus.sh", "--out", tmp_path / "g", "--books", books, "--valid-docs", 1,
+                       "--books-encoding", encoding, check=False)
+        assert code == 1 and f"error: {books / 'garbage.txt'}:1: " in log and "not text" in log
+
+
+# ---------------------------------------------------------------- downloads check the remote file
+
+def test_download_restarts_when_the_remote_file_changed(tmp_path, server):
+    old, new = PAYLOAD, PAYLOAD[::-1]
+    Server.files, Server.etags, Server.cut = {"/dump.bz2": old}, {"/dump.bz2": '"v1"'}, 5000
+    with pytest.raises(PrepError, match="run again to resume"):
+        common.download(server + "dump.bz2", tmp_path / "dump.bz2")
+    assert (tmp_path / "dump.bz2.part").read_bytes() == old[:5000]
+    # the same file: the download resumes
+    Server.cut = None
+    common.download(server + "dump.bz2", tmp_path / "dump.bz2")
+    assert (tmp_path / "dump.bz2").read_bytes() == old and Server.ranges[-1] == "bytes=5000-"
+    # a new version appeared while the download was cut: start from zero
+    Server.cut = 5000
+    with pytest.raises(PrepError, match="run again to resume"):
+        common.download(server + "dump.bz2", tmp_path / "again.bz2")
+    Server.files, Server.etags, Server.cut = {"/dump.bz2": new}, {"/dump.bz2": '"v2"'}, None
+    common.download(server + "dump.bz2", tmp_path / "again.bz2")
+    assert (tmp_path / "again.bz2").read_bytes() == new
+
+
+def test_download_checks_sha1(tmp_path, server):
+    import hashlib
+
+    Server.files = {"/a.bin": PAYLOAD}
+    good = hashlib.sha1(PAYLOAD).hexdigest()
+    with pytest.raises(PrepError, match=f"a.bin: sha1 {good} is not the expected {'0' * 40}"):
+        common.download(server + "a.bin", tmp_path / "a.bin", sha1="0" * 40)
+    assert list(tmp_path.iterdir()) == []  # wrong bytes are not kept to resume from
+    common.download(server + "a.bin", tmp_path / "a.bin", sha1=good)
+    assert (tmp_path / "a.bin").read_bytes() == PAYLOAD
+
+
+def test_wikipedia_published_sha1(tmp_path, server):
+    import hashlib
+
+    name = "enwiki-20240601-pages-articles.xml.bz2"
+    sums = f"{'1' * 40}  enwiki-20240601-pages-articles-multistream.xml.bz2\n" \
+           f"{hashlib.sha1(PAYLOAD).hexdigest()}  {name}\n"
+    Server.files = {f"/enwiki/20240601/{name}": PAYLOAD,
+                    "/enwiki/20240601/enwiki-20240601-sha1sums.txt": sums.encode()}
+    url = f"{server}enwiki/20240601/{name}"
+    assert corpus.published_sha1(url) == hashlib.sha1(PAYLOAD).hexdigest()
+    assert corpus.published_sha1(server + "other/file.bz2") is None
+    Server.files[f"/enwiki/20240601/{name}"] = PAYLOAD[:-1]  # not what was published
+    with pytest.raises(PrepError, match="sha1 .* is not the expected"):
+        common.local_or_download(url, tmp_path, sha1=corpus.published_sha1(url))
+
+
+def test_output_holding_an_input_is_refused(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    corpus_txt = _small_corpus(tmp_path / "corpus" / "train.txt")
+    with pytest.raises(PrepError, match="the output folder holds the corpus input"):
+        spm.train(corpus_txt, tmp_path / "corpus", 100, 0, "unigram", 1)
+    code, log = sh("spm.sh", "encode", "--model", tmp_path / "m", "--inputs", corpus_txt,
+                   tmp_path / "b", "--outputs", tmp_path / "b", tmp_path / "c", check=False)
+    assert code == 1 and f"error: {tmp_path / 'b'}: the output is also an input" in log

@@ -1,8 +1,12 @@
-"""Shared plumbing: clear errors, atomic outputs, progress, resumable downloads, subprocesses."""
+"""Shared plumbing: clear errors, atomic outputs and the record of what made them, progress,
+resumable and checked downloads, subprocesses."""
 
 import argparse
+import hashlib
+import http.client
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -49,22 +53,44 @@ def require_file(path, what="input file"):
     return path
 
 
-def read_lines(path):
-    """Yield (line number, line without its end of line) of a UTF-8 text file.
+def read_lines(path, encoding="utf-8"):
+    """Yield (line number, line without its end of line) of a text file.
 
     Lines are split on LF only (a CR inside a TSV field must not split a row) and decoded one
-    by one, so an encoding error names its line.
+    by one, so an encoding error names its line. A legacy 8-bit `encoding` (cp1252, latin-1)
+    decodes almost any bytes, so there control characters are what tells binary garbage.
     """
     path = require_file(path)
+    utf8 = encoding.replace("_", "-").lower() in ("utf-8", "utf8")
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode(encoding)
             except UnicodeDecodeError as e:
-                fail(path, lineno, f"not valid UTF-8 ({e.reason} at byte {e.start})")
+                hint = "; for Latin-1/cp1252 books give --books-encoding cp1252 (or auto)"
+                fail(path, lineno, f"not valid {'UTF-8' if utf8 else encoding} "
+                     f"({e.reason} at byte {e.start}){hint if utf8 else ''}")
             if lineno == 1:
                 line = line.removeprefix("\ufeff")  # MRPC's files start with a BOM
-            yield lineno, line.rstrip("\r\n")
+            line = line.rstrip("\r\n")
+            if not utf8 and (bad := CONTROL.search(line)):
+                fail(path, lineno, f"not text in {encoding} (control character "
+                     f"U+{ord(bad.group()):04X}): wrong --books-encoding, or not a text file")
+            yield lineno, line
+
+
+# C0 and C1 control characters but tab, form feed and the line ends: never in a real book.
+CONTROL = re.compile("[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f]")
+
+
+def guess_encoding(path, fallback="cp1252"):
+    """'utf-8' if the whole file decodes as UTF-8, else `fallback` (with a note saying so)."""
+    try:
+        Path(path).read_bytes().decode("utf-8")
+        return "utf-8"
+    except UnicodeDecodeError:
+        log(f"{path}: not UTF-8, read as {fallback}")
+        return fallback
 
 
 def remove(path):
@@ -76,24 +102,154 @@ def remove(path):
 
 
 def finished(path, what):
-    """True (and says so) if a previous run already produced `path`."""
+    """True (and says so) if `path` exists: for inputs fetched once (a GLUE task folder)."""
     if Path(path).exists():
         log(f"skip {what}: {path} exists")
         return True
     return False
 
 
+# ---------------------------------------------------------------- what an output was made from
+
+RECORD = "made-from.json"
+HASH_LIMIT = 64 << 20  # files up to this size are identified by content, larger ones by mtime
+
+
+def record_path(output, is_dir):
+    """A folder's record is inside it; a file's is its sibling NAME.made-from.json."""
+    output = Path(output)
+    return output / RECORD if is_dir else output.with_name(f"{output.name}.{RECORD}")
+
+
+def identity(path):
+    """What tells an input apart from another version of it: the content hash of a small file;
+    size and mtime of a large one; names, sizes and mtimes of a folder's files."""
+    path = Path(path)
+    if path.is_dir():
+        digest = hashlib.sha256()
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.endswith(RECORD))
+        for p in files:
+            st = p.stat()
+            digest.update(f"{p.relative_to(path)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        return {"path": str(path), "files": len(files), "digest": digest.hexdigest()}
+    st = require_file(path).stat()
+    if st.st_size <= HASH_LIMIT:
+        return {"path": str(path), "size": st.st_size, "sha256": file_hash(path, "sha256")}
+    return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def file_hash(path, algorithm):
+    digest = hashlib.new(algorithm)
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _same(a, b):
+    """Two identities (or lists of them) match; the path only names the input, so a moved or
+    copied input with the same content is still the same."""
+    return _without_path(a) == _without_path(b)
+
+
+def _without_path(x):
+    if isinstance(x, list):
+        return [_without_path(i) for i in x]
+    return {k: v for k, v in x.items() if k != "path"} if isinstance(x, dict) else x
+
+
+class Recipe:
+    """The inputs (paths, or lists of paths) and parameters that an output is made from.
+
+    Saved next to the output when it is complete; a re-run skips the output only if both are
+    unchanged and stops otherwise, naming what changed: silently keeping an output made from
+    other data (or redoing hours of work by surprise) is worse than asking to delete it.
+    """
+
+    def __init__(self, what, inputs=None, **params):
+        self.what = what
+        self.paths = {k: v for k, v in (inputs or {}).items() if v is not None}
+        self.params = json.loads(json.dumps(params, default=str))  # as it reads back
+        self._inputs = None
+
+    @property
+    def inputs(self):  # computed once, and only when needed (it may hash files)
+        if self._inputs is None:
+            self._inputs = {k: [identity(p) for p in v] if isinstance(v, (list, tuple))
+                            else identity(v) for k, v in self.paths.items()}
+        return self._inputs
+
+    def done(self, output):
+        """True (and says so) if `output` exists and was made by this recipe; False if it is
+        missing; a PrepError if it exists but was made from something else."""
+        output = Path(output)
+        self._check_not_an_input(output)
+        if not output.exists():
+            self.inputs  # identify the inputs now, before the work reads them
+            return False
+        record = record_path(output, output.is_dir())
+        if not record.is_file() and os.environ.get("DATAPREP_ADOPT") == "1":
+            # an output made before records existed, vouched for by the user
+            self.write(output, output.is_dir())
+            log(f"adopted {output}: recorded it as made from the current inputs")
+        if not record.is_file():
+            fail(output, None, f"exists, but with no record of what made it ({record.name}); "
+                 f"delete it to redo the {self.what}, choose another output, or run with "
+                 "DATAPREP_ADOPT=1 if you know it was made from these inputs")
+        old = json.loads(record.read_text())
+        changes = self._changes(old.get("inputs", {}), old.get("params", {}))
+        if changes:
+            fail(output, None, f"made from other inputs or parameters ({'; '.join(changes)}); "
+                 f"delete it to redo the {self.what}, or choose another output")
+        log(f"skip {self.what}: {output} is up to date")
+        return True
+
+    def _changes(self, inputs, params):
+        changes = [f"{k} {params.get(k, 'unset')} -> {self.params.get(k, 'unset')}"
+                   for k in sorted(set(params) | set(self.params))
+                   if params.get(k) != self.params.get(k)]
+        for k in sorted(set(inputs) | set(self.inputs)):
+            if not _same(inputs.get(k), self.inputs.get(k)):
+                paths = self.paths.get(k, "(none)")
+                shown = " ".join(map(str, paths)) if isinstance(paths, (list, tuple)) else paths
+                changes.append(f"{k} {shown} changed")
+        return changes
+
+    def _check_not_an_input(self, output):
+        out = output.resolve()
+        for name, paths in self.paths.items():
+            for p in paths if isinstance(paths, (list, tuple)) else [paths]:
+                p = Path(p).resolve()
+                if p == out:
+                    fail(output, None, f"the output is also the {name} input; "
+                         "choose another output")
+                if out in p.parents:
+                    fail(output, None, f"the output folder holds the {name} input {p}; "
+                         "choose another output")
+
+    def write(self, output, is_dir, **extra):
+        record = record_path(output, is_dir)
+        text = json.dumps({"step": self.what, "inputs": self.inputs, "params": self.params,
+                           **extra}, indent=2) + "\n"
+        tmp = record.with_name(f".{record.name}.partial")
+        tmp.write_text(text)
+        os.replace(tmp, record)
+
+
 @contextmanager
-def atomic(final):
+def atomic(final, recipe=None):
     """Yield a hidden temporary sibling of `final` (a file or a folder) and rename it onto
     `final` only when the block completes: a killed or failed step never leaves something
-    under the final name, so a later run can trust that a present output is complete."""
+    under the final name, so a later run can trust that a present output is complete.
+    With a `recipe`, its record is saved first (inside a folder, beside a file)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.partial")
     remove(tmp)  # left over by a killed run
     try:
         yield tmp
+        if recipe:
+            recipe.write(tmp if tmp.is_dir() else final, tmp.is_dir())
     except BaseException:
         remove(tmp)
         raise
@@ -123,40 +279,121 @@ class Progress:
         self.report(done=True)
 
 
-def download(url, dest, chunk_size=1 << 20):
+def download(url, dest, sha1=None, chunk_size=1 << 20):
     """Fetch `url` to `dest`, resuming a previous partial download with an HTTP Range request.
 
-    The bytes go to `dest`.part and are renamed to `dest` once the server's full length arrived.
+    The bytes go to `dest`.part; `dest`.part.json keeps what the server offered when the part
+    began (ETag, Last-Modified, length), and a resumed download whose server now offers
+    something else starts over. Once complete, the file is checked against `sha1` if given
+    and renamed to `dest`.
     """
     dest = Path(dest)
-    if finished(dest, "download"):
+    recipe = Recipe("download", url=url)
+    if recipe.done(dest):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
-    have = part.stat().st_size if part.exists() else 0
-    request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
-    log(f"downloading {url} -> {dest}" + (f" (resuming at {have:,} bytes)" if have else ""))
+    offer_path = part.with_name(part.name + ".json")
     try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            if have and response.status != 206:  # server ignored the range: start over
-                have = 0
-            total = _total_length(response, have)
-            progress = Progress(f"  {dest.name}", unit="MB")
-            with open(part, "ab" if have else "wb") as out:
-                while block := response.read(chunk_size):
-                    out.write(block)
-                    progress.update(len(block) / 1e6)
+        offer = _fetch(url, part, offer_path, chunk_size)
     except urllib.error.HTTPError as e:
-        if e.code != 416 or not have:  # 416: nothing left after `have` bytes, i.e. complete
-            raise PrepError(f"{url}: HTTP {e.code} {e.reason}") from e
-        total = have
-    except (urllib.error.URLError, OSError) as e:
-        raise PrepError(f"{url}: download interrupted ({e}); run again to resume") from e
+        raise PrepError(f"{url}: HTTP {e.code} {e.reason}") from e
+    except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
+        raise PrepError(f"{url}: download interrupted ({e!r}); run again to resume") from e
     size = part.stat().st_size
-    if total is not None and size != total:
-        raise PrepError(f"{url}: got {size:,} of {total:,} bytes; run again to resume")
+    if offer["length"] is not None and size != offer["length"]:
+        raise PrepError(f"{url}: got {size:,} of {offer['length']:,} bytes; run again to resume")
+    if sha1:
+        try:
+            check_sha1(part, sha1, url)
+        except PrepError:
+            remove(part)  # these bytes are wrong: resuming from them cannot help
+            remove(offer_path)
+            raise
+    recipe.write(dest, False, offered=offer, sha1=sha1)
     os.replace(part, dest)
+    remove(offer_path)
     return dest
+
+
+def check_sha1(path, sha1, name=None):
+    log(f"checking the sha1 of {path}")
+    got = file_hash(path, "sha1")
+    if got != sha1.lower():
+        fail(name or path, None, f"sha1 {got} is not the expected {sha1.lower()}"
+             + ("; the download was deleted, run again to fetch it anew" if name else ""))
+
+
+def _fetch(url, part, offer_path, chunk_size):
+    """Append the missing bytes of `url` to `part` (all of them if it changed); return what
+    the server offers: {"url", "etag", "last_modified", "length"}."""
+    saved = _read_json(offer_path) if part.exists() else None
+    have = part.stat().st_size if saved else 0  # a part of unknown origin cannot be trusted
+    for _ in range(2):  # a changed file is fetched again from byte 0, once
+        headers = {"Range": f"bytes={have}-"} if have else {}
+        validator = _if_range(saved) if have else None
+        if validator:  # then the server itself sends all (200) if its file is another one now
+            headers["If-Range"] = validator
+        log(f"downloading {url} -> {part.with_suffix('')}" +
+            (f" (resuming at {have:,} bytes)" if have else ""))
+        try:
+            response = urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                              timeout=60)
+        except urllib.error.HTTPError as e:
+            if e.code != 416 or not have:  # 416: no bytes after `have`, complete if unchanged
+                raise
+            total = (e.headers.get("Content-Range") or "").rpartition("/")[2]  # "bytes */200"
+            if total in ("", str(have)) and saved["length"] == have:
+                return saved
+            log(f"{url}: the file on the server changed; starting over")
+            have = 0
+            continue
+        with response:
+            offer = _offer(url, response, have if response.status == 206 else 0)
+            if have and not (response.status == 206 and _same_offer(saved, offer)):
+                if response.status == 206:  # the server ignored If-Range: ask again
+                    log(f"{url}: the file on the server changed; starting over")
+                    have = 0
+                    continue
+                have = 0  # a full answer (200): the file changed, or no Range support
+            if not have:
+                offer_path.write_text(json.dumps(offer) + "\n")
+            _copy(response, part, have, chunk_size)
+            return offer
+    raise PrepError(f"{url}: the file on the server keeps changing; run again later")
+
+
+def _offer(url, response, have):
+    return {"url": url, "etag": response.headers.get("ETag"),
+            "last_modified": response.headers.get("Last-Modified"),
+            "length": _total_length(response, have)}
+
+
+def _if_range(saved):
+    etag = saved["etag"]
+    return etag if etag and not etag.startswith("W/") else saved["last_modified"]  # no weak ETag
+
+
+def _same_offer(saved, offer):
+    """The server still offers the file that the part began with: every validator that both
+    sides know agrees, and at least one is known."""
+    known = [k for k in ("etag", "last_modified", "length") if saved[k] and offer[k]]
+    return bool(known) and all(saved[k] == offer[k] for k in known)
+
+
+def _copy(response, part, have, chunk_size):
+    progress = Progress(f"  {part.name}", unit="MB")
+    with open(part, "ab" if have else "wb") as out:
+        while block := response.read(chunk_size):
+            out.write(block)
+            progress.update(len(block) / 1e6)
+
+
+def _read_json(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _total_length(response, have):
@@ -167,12 +404,25 @@ def _total_length(response, have):
     return int(length) + have if length is not None else None
 
 
-def local_or_download(source, download_dir):
+def fetch_text(url, timeout=60):
+    """A small text file from `url` (e.g. a checksum list), or None if it cannot be had."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.read().decode("utf-8", errors="replace")
+    except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
+        log(f"{url}: not available ({e})")
+        return None
+
+
+def local_or_download(source, download_dir, sha1=None):
     """`source` is a local path or an http(s)/ftp URL; return a local path."""
     if "://" not in str(source):
         return require_file(source)
-    name = str(source).split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
-    return download(source, Path(download_dir) / name)
+    return download(source, Path(download_dir) / url_name(source), sha1=sha1)
+
+
+def url_name(url):
+    return str(url).split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
 
 
 def run(cmd, what):

@@ -5,6 +5,8 @@ line, a blank line after each document. Exact-duplicate documents are dropped an
 documents are split into train/valid at random with a fixed seed.
 """
 
+import codecs
+import functools
 import hashlib
 import importlib.util
 import json
@@ -15,7 +17,8 @@ import sys
 from pathlib import Path
 
 from .common import (
-    PrepError, Progress, atomic, cli, fail, finished, local_or_download, log, parser, read_lines,
+    PrepError, Progress, Recipe, atomic, check_sha1, cli, fail, fetch_text, guess_encoding,
+    local_or_download, log, parser, read_lines, url_name,
 )
 
 WIKI_DUMP_URL = (
@@ -56,12 +59,13 @@ def split_sentences(lines):
 
 def extract_wikipedia(dump, out_dir, processes):
     """Run wikiextractor (JSON output, templates not expanded) on a pages-articles dump."""
-    if finished(out_dir, "wikiextractor"):
+    recipe = Recipe("wikiextractor", {"dump": dump})
+    if recipe.done(out_dir):
         return out_dir
     if importlib.util.find_spec("wikiextractor") is None:
         raise PrepError('wikiextractor is not installed: pip install "wikiextractor>=3.1.0"')
     log(f"extracting {dump} with wikiextractor ({processes} processes) -> {out_dir}")
-    with atomic(out_dir) as tmp:
+    with atomic(out_dir, recipe) as tmp:
         cmd = [sys.executable, "-m", "wikiextractor.WikiExtractor", "--json", "--no-templates",
                "--processes", str(processes), "-o", str(tmp), str(dump)]
         if subprocess.run(cmd).returncode != 0:
@@ -69,6 +73,25 @@ def extract_wikipedia(dump, out_dir, processes):
         if not any(tmp.rglob("wiki_*")):
             fail(dump, None, "wikiextractor found no articles (is this a MediaWiki XML dump?)")
     return out_dir
+
+
+# Wikimedia publishes the sha1 of every dump file in <wiki>-<date>-sha1sums.txt beside it.
+DUMP_NAME = re.compile(r"^(?P<wiki>[a-z_]+wiki)-(?P<date>\d{8}|latest)-")
+
+
+def published_sha1(url):
+    """The sha1 that Wikimedia publishes for the dump at `url`, or None (said why)."""
+    name = url_name(url)
+    match = DUMP_NAME.match(name)
+    if not match:
+        return None
+    sums = f"{str(url).rsplit('/', 1)[0]}/{match['wiki']}-{match['date']}-sha1sums.txt"
+    for line in (fetch_text(sums) or "").splitlines():
+        fields = line.split()
+        if len(fields) == 2 and fields[1] == name:
+            return fields[0]
+    log(f"no published sha1 of {name} in {sums}: the download is not checked")
+    return None
 
 
 def wikipedia_documents(extracted_dir, min_chars):
@@ -96,14 +119,15 @@ def wikitext_documents(path, min_chars):
 
 # ---------------------------------------------------------------- books
 
-def book_documents(folder, min_chars):
-    """One document per *.txt book; a paragraph (block between blank lines) becomes one line."""
+def book_documents(folder, min_chars, encoding="utf-8"):
+    """One document per *.txt book; a paragraph (block between blank lines) becomes one line.
+    encoding="auto": UTF-8, or cp1252 (a superset of Latin-1) for a book that is not UTF-8."""
     books = sorted(Path(folder).glob("*.txt"))
     if not books:
         fail(folder, None, "no *.txt books in this folder")
     for path in books:
         paragraphs, block = [], []
-        for _, line in read_lines(path):
+        for _, line in read_lines(path, guess_encoding(path) if encoding == "auto" else encoding):
             if line.strip():
                 block.append(line)
             elif block:
@@ -132,11 +156,11 @@ def read_documents(path):
         yield doc
 
 
-def build_corpus(sources, out_dir, valid_fraction, valid_docs, seed):
+def build_corpus(sources, out_dir, valid_fraction, valid_docs, seed, recipe=None):
     """Write out_dir/{train,valid}.txt and stats.json from an iterable of (source, doc)."""
-    if finished(out_dir, "corpus"):
+    if recipe and recipe.done(out_dir):
         return json.loads((Path(out_dir) / "stats.json").read_text())
-    with atomic(out_dir) as tmp:
+    with atomic(out_dir, recipe) as tmp:
         tmp.mkdir()
         stats = _dedup(sources, tmp / "all.txt")
         n = stats["documents"]
@@ -215,6 +239,12 @@ def main():
     src.add_argument("--books", type=Path, nargs="+",
                      help="folders of plain-text books, one book per *.txt file (BookCorpus "
                           "is no longer distributed: bring your own)")
+    src.add_argument("--books-encoding", default="utf-8", metavar="ENCODING|auto",
+                     help="encoding of the books (e.g. cp1252, latin-1); auto: UTF-8, or "
+                          "cp1252 for a book that is not UTF-8 (logged per book)")
+    p.add_argument("--wiki-sha1", metavar="HEX",
+                   help="sha1 of the dump to check after download (default: the one Wikimedia "
+                        "publishes in <wiki>-<date>-sha1sums.txt beside the dump)")
     p.add_argument("--work-dir", type=Path,
                    help="where the dump is downloaded and extracted (default: OUT.work)")
     p.add_argument("--min-chars", type=int, default=40,
@@ -228,28 +258,49 @@ def main():
     args = p.parse_args()
     if not (args.wiki_dump or args.wiki_extracted or args.wikitext or args.books):
         p.error("give at least one source: --wiki-dump, --wiki-extracted, --wikitext or --books")
-    if finished(args.out, "corpus"):
+    if args.books_encoding != "auto":
+        try:
+            codecs.lookup(args.books_encoding)
+        except LookupError:
+            p.error(f"--books-encoding: unknown encoding {args.books_encoding!r}")
+    for folder in filter(None, [args.wiki_extracted, *(args.books or [])]):
+        if not Path(folder).is_dir():
+            fail(folder, None, "folder not found")
+    dump_url = args.wiki_dump and (WIKI_DUMP_URL if args.wiki_dump == "latest" else args.wiki_dump)
+    if dump_url and "://" not in dump_url:
+        dump_url = None  # a local dump is identified by its size and mtime, not its name
+    recipe = Recipe("corpus", {"wiki_dump": None if dump_url else args.wiki_dump,
+                               "wiki_extracted": args.wiki_extracted, "wikitext": args.wikitext,
+                               "books": args.books},
+                    wiki_dump_url=dump_url, books_encoding=args.books_encoding,
+                    min_chars=args.min_chars, split_sentences=args.split_sentences,
+                    valid_fraction=args.valid_fraction, valid_docs=args.valid_docs, seed=args.seed)
+    if recipe.done(args.out):
         return
     work = args.work_dir or args.out.with_name(args.out.name + ".work")
     extracted = list(filter(None, [args.wiki_extracted]))
+    if dump_url:
+        sha1 = args.wiki_sha1 or published_sha1(dump_url)
+        dump = local_or_download(dump_url, work, sha1=sha1)
+    elif args.wiki_dump:
+        dump = local_or_download(args.wiki_dump, work)
+        if args.wiki_sha1:
+            check_sha1(dump, args.wiki_sha1)
     if args.wiki_dump:
-        dump = local_or_download(WIKI_DUMP_URL if args.wiki_dump == "latest" else args.wiki_dump, work)
         extracted.append(extract_wikipedia(dump, work / "wiki-extracted", args.workers))
-    for folder in extracted + list(args.books or []):
-        if not Path(folder).is_dir():
-            fail(folder, None, "folder not found")
 
     def sources():
+        books = functools.partial(book_documents, encoding=args.books_encoding)
         for kind, reader, inputs in (("wikipedia", wikipedia_documents, extracted),
                                      ("wikitext", wikitext_documents, args.wikitext or []),
-                                     ("books", book_documents, args.books or [])):
+                                     ("books", books, args.books or [])):
             for path in inputs:
                 docs = reader(path, args.min_chars)
                 if args.split_sentences:
                     docs = map(split_sentences, docs)
                 yield from nonempty(path, ((kind, d) for d in docs))
 
-    build_corpus(sources(), args.out, args.valid_fraction, args.valid_docs, args.seed)
+    build_corpus(sources(), args.out, args.valid_fraction, args.valid_docs, args.seed, recipe)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,10 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import spm
 from .common import (
-    PrepError, atomic, cli, default_workers, download, fail, finished, log, parser, read_lines,
-    remove, require_file,
+    PrepError, Recipe, atomic, cli, default_workers, download, fail, finished, log, parser,
+    read_lines, remove, require_file,
 )
 from .labelled import Split, write_task
 
@@ -195,19 +196,21 @@ def main():
     p.add_argument("--destdir", required=True, type=Path, help="writes DESTDIR/<TASK>-bin")
     p.add_argument("--workers", type=int, default=default_workers())
     args = p.parse_args()
-    require_file(args.spm_model, "sentencepiece model")
+    spm.check_model(args.spm_model)
     require_file(args.srcdict, "dictionary")
     for name in args.tasks:
-        dest = args.destdir / f"{name}-bin"
-        if finished(dest, name):
-            continue
         if args.download:
-            fetch(args.glue_dir, name)
+            fetch(args.glue_dir, name)  # only if its folder is missing
         if not (args.glue_dir / name).is_dir():
             raise PrepError(f"{args.glue_dir / name}: task folder not found (use --download)")
-        task = TASKS[name]
+        recipe = Recipe(f"{name} task", {"task_folder": args.glue_dir / name,
+                                         "spm_model": args.spm_model, "srcdict": args.srcdict},
+                        task=name)
+        dest = args.destdir / f"{name}-bin"
+        if recipe.done(dest):
+            continue
         write_task(dest, read_task(args.glue_dir, name), args.spm_model, args.srcdict,
-                   task.classes, args.workers)
+                   TASKS[name].classes, args.workers, recipe)
 
 
 if __name__ == "__main__":

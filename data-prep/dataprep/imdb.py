@@ -11,8 +11,9 @@ import re
 import tarfile
 from pathlib import Path
 
+from . import spm
 from .common import (
-    PrepError, Progress, cli, default_workers, fail, finished, local_or_download, parser,
+    PrepError, Progress, Recipe, cli, default_workers, fail, local_or_download, parser,
     require_file,
 )
 from .labelled import Split, write_task
@@ -80,15 +81,19 @@ def main():
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--workers", type=int, default=default_workers())
     args = p.parse_args()
-    dest = args.destdir / "IMDB-bin"
-    if finished(dest, "IMDB"):
-        return
-    require_file(args.spm_model, "sentencepiece model")
+    spm.check_model(args.spm_model)
     require_file(args.srcdict, "dictionary")
-    tarball = local_or_download(IMDB_URL if args.tarball == "download" else args.tarball,
-                                args.download_dir)
+    source = IMDB_URL if args.tarball == "download" else args.tarball
+    url = "://" in source  # a URL names its tarball; a local one is identified by its bytes
+    recipe = Recipe("IMDB", {"tarball": None if url else require_file(source, "IMDB tarball"),
+                             "spm_model": args.spm_model, "srcdict": args.srcdict},
+                    tarball_url=source if url else None, valid_size=args.valid_size, seed=args.seed)
+    dest = args.destdir / "IMDB-bin"
+    if recipe.done(dest):
+        return
+    tarball = local_or_download(source, args.download_dir)
     splits = imdb_splits(read_reviews(tarball), args.valid_size, args.seed)
-    write_task(dest, splits, args.spm_model, args.srcdict, CLASSES, args.workers)
+    write_task(dest, splits, args.spm_model, args.srcdict, CLASSES, args.workers, recipe)
 
 
 if __name__ == "__main__":

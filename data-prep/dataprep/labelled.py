@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import spm
-from .common import atomic, fairseq_preprocess, finished, log, preprocess_argv, remove
+from .common import atomic, fairseq_preprocess, log, preprocess_argv, remove
 
 
 @dataclass
@@ -26,14 +26,13 @@ class Split:
     labels: list = None  # label strings; None for an unlabelled test set
 
 
-def write_task(dest, splits, spm_model, srcdict, classes, workers):
-    """Encode, binarize and describe `splits`; classes=None means a regression target."""
+def write_task(dest, splits, spm_model, srcdict, classes, workers, recipe=None):
+    """Encode, binarize and describe `splits`; classes=None means a regression target.
+    The caller checks `recipe` (what the splits were read from) and this saves it in `dest`."""
     dest = Path(dest)
-    if finished(dest, "task"):
-        return dest
     n_inputs = len(splits[0].inputs)
     log(f"writing {dest} ({', '.join(f'{s.name} {len(s.inputs[0]):,}' for s in splits)} rows)")
-    with atomic(dest) as tmp:
+    with atomic(dest, recipe) as tmp:
         raw = tmp / "raw"
         raw.mkdir(parents=True)
         for s in splits:

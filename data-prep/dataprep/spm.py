@@ -6,14 +6,18 @@
           (they are the document boundaries of the corpus)
 """
 
+import collections
 import itertools
 import multiprocessing
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import sentencepiece
 
 from .common import (
-    Progress, atomic, cli, default_workers, fail, finished, log, parser, read_lines, require_file,
+    Progress, Recipe, atomic, cli, default_workers, fail, log, parser, read_lines, require_file,
 )
 
 BATCH_LINES = 2000
@@ -21,13 +25,15 @@ BATCH_LINES = 2000
 
 def train(corpus, out_dir, vocab_size, input_sentence_size, model_type, workers, seed=1):
     out_dir = Path(out_dir)
-    if finished(out_dir, "sentencepiece training"):
-        return out_dir
     corpus = require_file(corpus, "corpus")
+    recipe = Recipe("sentencepiece training", {"corpus": corpus}, vocab_size=vocab_size,
+                    input_sentence_size=input_sentence_size, model_type=model_type, seed=seed)
+    if recipe.done(out_dir):
+        return out_dir
     if not any(line.strip() for _, line in read_lines(corpus)):
         fail(corpus, None, "empty corpus: nothing to train sentencepiece on")
     log(f"training sentencepiece ({model_type}, vocab {vocab_size}) on {corpus}")
-    with atomic(out_dir) as tmp:
+    with atomic(out_dir, recipe) as tmp:
         tmp.mkdir()
         sentencepiece.set_random_generator_seed(seed)
         try:
@@ -54,37 +60,82 @@ def write_fairseq_dict(model, path):
                 f.write(f"{sp.id_to_piece(i)} {n - i}\n")
 
 
-_worker_sp = None
+def check_model(path):
+    """Load the model once here, so that a wrong file stops with one line before any work
+    (and before any worker process could fail on it)."""
+    path = require_file(path, "sentencepiece model")
+    try:
+        _load(path)
+    except (RuntimeError, OSError) as e:
+        fail(path, None, f"not a sentencepiece model ({e}); give the spm.model of spm.sh train")
+    return path
 
 
-def _init_worker(model):
-    global _worker_sp
-    _worker_sp = sentencepiece.SentencePieceProcessor(model_file=str(model))
+def _load(path):
+    return sentencepiece.SentencePieceProcessor(model_file=str(path))
+
+
+# The model of this process: the pool initializer only records its path, so it cannot fail;
+# the first batch loads it, and a failure there comes back to the parent as that batch's error.
+_model_path, _model = None, (None, None)
+
+
+def _use_model(path):
+    global _model_path, _model
+    _model_path, _model = str(path), (None, None)  # loaded anew: the file may have changed
+
+
+def _processor():
+    global _model
+    if _model[0] != _model_path:
+        _model = (_model_path, _load(_model_path))
+    return _model[1]
 
 
 def _encode_batch(lines):
-    return [" ".join(_worker_sp.encode(line, out_type=str)) for line in lines]
+    sp = _processor()
+    return [" ".join(sp.encode(line, out_type=str)) for line in lines]
 
 
 def encode(model, src, dst, workers):
     """Encode `src` into `dst` line by line, with `workers` processes, order kept."""
     dst = Path(dst)
-    if finished(dst, "encoding"):
+    model, src = require_file(model, "sentencepiece model"), require_file(src)
+    recipe = Recipe("encoding", {"input": src, "model": model})
+    if recipe.done(dst):
         return dst
-    model = require_file(model, "sentencepiece model")
-    src = require_file(src)
+    check_model(model)
     lines = (line for _, line in read_lines(src))
     batches = iter(lambda: list(itertools.islice(lines, BATCH_LINES)), [])
     progress = Progress(f"encoding {src}")
-    with atomic(dst) as tmp, open(tmp, "w") as out:
+    with atomic(dst, recipe) as tmp, open(tmp, "w") as out:
         if workers > 1:
-            with multiprocessing.Pool(workers, _init_worker, (model,)) as pool:
-                _write(pool.imap(_encode_batch, batches), out, progress)
+            try:
+                _write(_in_processes(_encode_batch, batches, workers, model), out, progress)
+            except BrokenProcessPool as e:
+                fail(src, None, f"encoding failed: a worker process died ({e})")
         else:
-            _init_worker(model)
+            _use_model(model)
             _write(map(_encode_batch, batches), out, progress)
     progress.close()
     return dst
+
+
+def _in_processes(fn, batches, workers, model):
+    """fn(batch) for every batch in `workers` processes, in order, a few batches in flight.
+
+    concurrent.futures rather than multiprocessing.Pool: a worker that fails to start or dies
+    breaks the pool (BrokenProcessPool) instead of being restarted, or waited for, forever."""
+    context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    with ProcessPoolExecutor(workers, context, initializer=_use_model,
+                             initargs=(model,)) as pool:
+        pending = collections.deque()
+        for batch in batches:
+            pending.append(pool.submit(fn, batch))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def _write(encoded_batches, out, progress):
@@ -116,6 +167,10 @@ def main():
     else:
         if len(args.inputs) != len(args.outputs):
             p.error("--inputs and --outputs need the same number of files")
+        inputs = {src.resolve() for src in args.inputs}
+        for dst in args.outputs:  # an input that an earlier output would overwrite
+            if dst.resolve() in inputs:
+                fail(dst, None, "the output is also an input; choose another output")
         for src, dst in zip(args.inputs, args.outputs):
             encode(args.model, src, dst, args.workers)
 

@@ -12,15 +12,17 @@ Usage: scripts/finetune.sh [options] TASK CHECKPOINT [OVERRIDE ...]
 Finetunes CHECKPOINT with fairseq-hydra-train and configs/finetuning/TASK.yaml (RoBERTa's
 published per-task lr, batch, epochs and warmup). The model (architecture, k, sharing,
 max_positions) is read from CHECKPOINT. A relaunch with the same --save-dir resumes from
-its checkpoint_last.pt instead of starting again from CHECKPOINT.
+its checkpoint_last.pt (or, if that file is incomplete, from the newest complete checkpoint
+in --save-dir) instead of starting again from CHECKPOINT.
 
   TASK                cola, sst_2, mrpc, qqp, sts_b, mnli, qnli, rte or imdb (SST-2 etc. work too)
   CHECKPOINT          a pretraining checkpoint, e.g. checkpoints/linformer_n512_k128_headwise/checkpoint_best.pt
 
 Options:
   --data DIR          the task's data-bin (input0/, input1/, label/)
-                      (default: DATA_ROOT/<TASK>-bin, e.g. data-bin/glue/SST-2-bin)
-  --data-root DIR     where data-prep wrote the <TASK>-bin folders (default: data-bin/glue)
+                      (default: DATA_ROOT/<TASK>-bin, e.g. data-bin/SST-2-bin)
+  --data-root DIR     where data-prep wrote the <TASK>-bin folders, its --destdir (default:
+                      data-bin, as in README.md and data-prep/README.md)
   --seed S            random seed (default 1)
 $COMMON_HELP
   Default --save-dir: checkpoints/finetune/<CHECKPOINT's folder name>/TASK/seed<S>, the layout
@@ -35,7 +37,7 @@ task_folder() {
     esac
 }
 
-ARGS=() DATA='' DATA_ROOT=data-bin/glue SEED=1
+ARGS=() DATA='' DATA_ROOT=data-bin SEED=1
 while (($#)); do
     case $1 in
         -h | --help) usage; exit 0 ;;
@@ -68,9 +70,14 @@ SAVE_DIR=${SAVE_DIR:-checkpoints/finetune/$(basename "$(dirname "$CHECKPOINT")")
 MODEL=$("$PYTHON" "$REPO/scripts/launch_helper.py" model "$CHECKPOINT")
 mapfile -t OVERRIDES <<<"$MODEL"
 OVERRIDES+=("task.data=$(hydra_quote "$DATA")" "common.seed=$SEED")
-if [[ -f $SAVE_DIR/checkpoint_last.pt ]]; then  # interrupted: continue it, keep its state
-    OVERRIDES+=(checkpoint.restore_file=checkpoint_last.pt checkpoint.reset_optimizer=false
-        checkpoint.reset_dataloader=false checkpoint.reset_meters=false)
+find_resume
+if [[ -n $RESUME ]]; then  # interrupted: continue it, keep its state
+    if [[ $RESUME == "$SAVE_DIR/checkpoint_last.pt" ]]; then
+        OVERRIDES+=(checkpoint.restore_file=checkpoint_last.pt)
+    else
+        OVERRIDES+=("checkpoint.restore_file=$(hydra_quote "$RESUME")")
+    fi
+    OVERRIDES+=(checkpoint.reset_optimizer=false checkpoint.reset_dataloader=false checkpoint.reset_meters=false)
 else
     OVERRIDES+=("checkpoint.restore_file=$(hydra_quote "$CHECKPOINT")")
 fi

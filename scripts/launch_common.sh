@@ -8,12 +8,15 @@ GPUS='' NODES=1 CPU=0 BATCH_SIZE='' GLOBAL_BATCH='' SAVE_DIR='' DRY_RUN=0 PORT='
 OVERRIDES=()
 
 COMMON_HELP="  --gpus N            GPUs per node (default: all visible ones)
-  --cpu               train on the CPU in one process (smoke runs; fp32, add common.bf16=true for bf16)
+  --cpu               train on the CPU (smoke runs; fp32, add common.bf16=true for bf16): one
+                      process, or under Slurm one gloo rank per task (scripts/slurm/pretrain.sbatch
+                      --cpu, e.g. sbatch --ntasks-per-node 2 --gpus-per-node 0)
   --batch-size B      sequences per GPU per step (default: the config's dataset.batch_size)
   --global-batch G    sequences per update (default: the config's, e.g. 2048 for pretraining);
                       update_freq = G / (B x world size) must be a whole number
   --save-dir DIR      checkpoints, hydra_train.log, tensorboard/ and .hydra/ go here; relaunching
-                      with the same DIR resumes from DIR/checkpoint_last.pt
+                      with the same DIR resumes from DIR/checkpoint_last.pt (or, if that file
+                      is incomplete, from the newest complete checkpoint in DIR)
   --dry-run           print the plan (world size, ranks, update_freq, paths) and the exact
                       command, run nothing
   -h, --help          this help
@@ -57,9 +60,16 @@ common_option() {
 }
 
 set_world_size() {
-    if ((CPU)); then
-        [[ -z $GPUS && $NODES == 1 ]] || die "--cpu runs one process: drop --gpus/--nodes"
-        WORLD=1
+    if ((CPU)); then  # GPUS: processes (gloo ranks) per node
+        GPUS=${GPUS:-1}
+        WORLD=$((NODES * GPUS))
+        if ((WORLD > 1)) && ! ((DRY_RUN)); then
+            [[ -n ${SLURM_JOB_ID:-} && -n $PORT ]] ||
+                die "--cpu runs one process outside Slurm: drop --gpus/--nodes, or run CPU ranks with sbatch --ntasks-per-node N --gpus-per-node 0 scripts/slurm/pretrain.sbatch --cpu ..."
+        fi
+        # with one task per node, fairseq's Slurm init takes the ranks per node from the GPU count
+        ((WORLD == 1 || GPUS > 1)) ||
+            die "--cpu on $NODES nodes needs 2 or more tasks per node (sbatch --ntasks-per-node N)"
         return
     fi
     if [[ -z $GPUS ]]; then
@@ -74,10 +84,14 @@ set_world_size() {
 }
 
 print_plan() {  # WORLD BATCH UPDATE_FREQ GLOBAL_BATCH
-    if ((CPU)); then
+    if ((CPU && $1 == 1)); then
         echo "plan: CPU, world size 1 (rank 0)"
     else
-        echo "plan: $NODES node(s) x $GPUS GPU(s) = world size $1"
+        if ((CPU)); then
+            echo "plan: CPU (gloo), $NODES node(s) x $GPUS process(es) = world size $1"
+        else
+            echo "plan: $NODES node(s) x $GPUS GPU(s) = world size $1"
+        fi
         local node
         for ((node = 0; node < NODES; node++)); do
             echo "  node $node: ranks $((node * GPUS))-$((node * GPUS + GPUS - 1))"
@@ -85,9 +99,29 @@ print_plan() {  # WORLD BATCH UPDATE_FREQ GLOBAL_BATCH
     fi
     echo "batch: $2 sequences per GPU x update_freq $3 x world size $1 = global batch $4"
     echo "save dir: $SAVE_DIR (hydra_train.log, tensorboard/, .hydra/)"
-    if [[ -f $SAVE_DIR/checkpoint_last.pt ]]; then
-        echo "resume: from $SAVE_DIR/checkpoint_last.pt"
+    if [[ -n $RESUME_NOTE ]]; then
+        echo "$RESUME_NOTE"
     fi
+    if [[ -n $RESUME ]]; then
+        echo "resume: from $RESUME"
+    fi
+}
+
+# find_resume: set RESUME to the checkpoint a relaunch continues from (SAVE_DIR/checkpoint_last.pt
+# when it loads; when it does not, e.g. a kill during fairseq's plain copy onto it, the newest
+# complete checkpoint in SAVE_DIR), or to '' for a fresh start; RESUME_NOTE says why if not the last
+RESUME='' RESUME_NOTE=''
+find_resume() {
+    SAVE_DIR=$(realpath -m "$SAVE_DIR")  # every node and rank must see the same path
+    [[ -e $SAVE_DIR/checkpoint_last.pt ]] || return 0
+    local answer flags=()
+    if ((DRY_RUN)); then
+        flags+=(--dry-run)
+    fi
+    answer=$("$PYTHON" "$REPO/scripts/launch_helper.py" resume "$SAVE_DIR" "${flags[@]}")
+    RESUME=${answer%%$'\n'*}
+    [[ $answer == *$'\n'* ]] && RESUME_NOTE=${answer#*$'\n'}
+    return 0
 }
 
 # launch CONFIG_DIR CONFIG: plan the batch, then print and (unless --dry-run) run the training
@@ -107,9 +141,17 @@ launch() {
         "distributed_training.distributed_world_size=$WORLD")
     if ((CPU)); then
         cmd+=(common.cpu=true common.fp16=false)
+        if ((WORLD > 1)); then  # fairseq's Slurm init places the ranks; gloo instead of NCCL
+            cmd+=(distributed_training.distributed_backend=gloo distributed_training.ddp_backend=legacy_ddp)
+        fi
     fi
     if [[ -n $PORT ]]; then
         cmd+=("distributed_training.distributed_port=$PORT")
+    fi
+    if ((WORLD > 1)); then
+        # every rank reads the checkpoint it resumes from: fairseq would otherwise send rank 0's
+        # copy to the others through torch.load(weights_only=True), which rejects its config
+        cmd+=(checkpoint.load_checkpoint_on_all_dp_ranks=true)
     fi
     cmd+=("${OVERRIDES[@]}")
 
@@ -121,5 +163,10 @@ launch() {
         return
     fi
     mkdir -p "$SAVE_DIR"
+    if ((CPU && WORLD > 1)); then
+        # fairseq's Slurm init takes device_id from SLURM_LOCALID and would select that CUDA
+        # device; a CPU rank has none (its rank still comes from SLURM_PROCID)
+        SLURM_LOCALID=0 exec "${cmd[@]}"
+    fi
     exec "${cmd[@]}"
 }

@@ -7,6 +7,10 @@ scripts/finetune.sh, scripts/slurm/*.sbatch), kept in one place.
          distributed_world_size, e.g. 16 x 2 x 64 = 2048 for pretraining) at --world-size GPUs
   model  CHECKPOINT                        the hydra overrides that rebuild a checkpoint's model
                                            (architecture, k, sharing, max_positions), one a line
+  resume SAVE_DIR [--dry-run]              the checkpoint a relaunch resumes from: the first line
+         is SAVE_DIR/checkpoint_last.pt if it loads, else the newest complete checkpoint in
+         SAVE_DIR (fairseq writes checkpoint_last.pt by a plain copy, which a kill can cut
+         short), else empty; a second line, if any, says why it is not checkpoint_last.pt
 """
 import argparse
 import logging
@@ -91,9 +95,8 @@ def hydra_value(value) -> str:
 
 def model_overrides(args):
     import torch
-    from fairseq import utils
 
-    utils.import_user_module(argparse.Namespace(user_dir=str(PLUGIN_DIR)))  # models, safe loader
+    load_plugin()  # models, safe loader
     from fairseq.models import ARCH_MODEL_NAME_REGISTRY, MODEL_DATACLASS_REGISTRY, MODEL_REGISTRY
 
     try:  # mmap: only the config is read, not gigabytes of weights
@@ -117,6 +120,67 @@ def model_overrides(args):
         print(f"++model.{key}={hydra_value(fields[key])}")
 
 
+def load_plugin():
+    """fairseq's registries with the plugin's models; the plugin also allow-lists
+    argparse.Namespace for torch.load(weights_only=True)."""
+    from fairseq import utils
+
+    utils.import_user_module(argparse.Namespace(user_dir=str(PLUGIN_DIR)))
+
+
+def checkpoint_updates(path: Path):
+    """The number of updates in a complete checkpoint; raises if it does not load."""
+    import torch
+
+    try:  # mmap: reads the zip directory (at the end of the file) and the pickle, no weights
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e):
+            raise
+        state = torch.load(path, map_location="cpu", weights_only=True)  # an old, non-zip file
+    return int(state["optimizer_history"][-1]["num_updates"])
+
+
+def first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def resume_point(args):
+    last = args.save_dir / "checkpoint_last.pt"
+    if not last.exists():
+        return
+    load_plugin()
+    try:
+        checkpoint_updates(last)
+        print(last)
+        return
+    except Exception as e:
+        problem = f"{last} does not load ({first_line(e)}), e.g. a run killed while fairseq copied it"
+    complete = []
+    for path in args.save_dir.glob("checkpoint*.pt"):
+        if path.name == last.name:
+            continue
+        try:
+            complete.append((checkpoint_updates(path), path.stat().st_mtime, path))
+        except Exception:
+            continue  # another incomplete copy (checkpoint_best.pt is one too)
+    if complete:
+        updates, _, newest = max(complete)
+        print(newest)
+        print(f"resume: {problem}: resuming from the newest complete checkpoint, {newest.name} ({updates} updates)")
+        return
+    aside = last.with_name(last.name + ".incomplete")
+    if not args.dry_run:
+        try:  # every rank of a Slurm job may get here: the first one moves it
+            last.rename(aside)
+        except FileNotFoundError:
+            pass
+    print()
+    print(f"resume: {problem}, and {args.save_dir} holds no complete checkpoint: starting from scratch "
+          f"({'would move' if args.dry_run else 'moved'} it to {aside.name})")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -129,13 +193,16 @@ def main():
     b.add_argument("--global-batch", type=int, help="sequences per update (default: the config's)")
     m = sub.add_parser("model", help="model overrides from a checkpoint")
     m.add_argument("checkpoint", type=Path)
+    r = sub.add_parser("resume", help="the checkpoint a relaunch resumes from")
+    r.add_argument("save_dir", type=Path)
+    r.add_argument("--dry-run", action="store_true", help="change nothing in SAVE_DIR")
     args = p.parse_args()
     for flag in ("world_size", "batch_size", "global_batch"):
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             fail(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     logging.disable(logging.WARNING)  # fairseq's import-time notices would bury the answer
-    batch_plan(args) if args.command == "batch" else model_overrides(args)
+    {"batch": batch_plan, "model": model_overrides, "resume": resume_point}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -37,9 +37,15 @@ while (($#)); do
 done
 ((${#ARGS[@]} >= 2)) || die "need CONFIG and DATA (see --help)"
 CONFIG=${ARGS[0]%.yaml} DATA=${ARGS[1]}
-for dir in ${DATA//:/ }; do
+IFS=: read -r -a DATA_DIRS <<<"$DATA"  # split at ':' only: a folder name may hold spaces
+for dir in "${DATA_DIRS[@]}"; do
     [[ -d $dir ]] || ((DRY_RUN)) || die "data folder $dir does not exist"
 done
 SAVE_DIR=${SAVE_DIR:-checkpoints/$CONFIG}
-OVERRIDES=("task.data=$(hydra_quote "$DATA")" "${ARGS[@]:2}")
+OVERRIDES=("task.data=$(hydra_quote "$DATA")")
+find_resume
+if [[ -n $RESUME && $RESUME != "$SAVE_DIR/checkpoint_last.pt" ]]; then  # fairseq's default is the last
+    OVERRIDES+=("checkpoint.restore_file=$(hydra_quote "$RESUME")")
+fi
+OVERRIDES+=("${ARGS[@]:2}")
 launch "$REPO/configs/pretraining" "$CONFIG"

@@ -12,12 +12,12 @@ import time
 
 import pytest
 import torch
-from fairseq.data import Dictionary, indexed_dataset
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import linformer_fairseq  # noqa: F401  (its checkpoints load with weights_only=True)
 from launch_utils import CONFIG, ENV, REPO, TINY, losses, records
+from launch_utils import sst2_bin as build_sst2_bin
 
 SCRIPTS = REPO / "scripts"
 PRETRAIN, FINETUNE = SCRIPTS / "pretrain.sh", SCRIPTS / "finetune.sh"
@@ -69,10 +69,72 @@ def test_sbatch_dry_run_keeps_the_global_batch(nodes, update_freq):
     (["env", "SLURM_ARRAY_TASK_ID=1", FINETUNE_SBATCH, "--dry-run", "--tasks", "rte", "--seeds", "1", "model.pt"],
      "array index 1 is past 1 tasks x 1 seeds: submit with --array=0-0"),
     (COLLECT + ["/no/such/folder"], "/no/such/folder is not a folder"),
-], ids=["config", "indivisible", "batch-override", "zero-gpus", "data", "task", "checkpoint", "array", "results"])
+    ([PRETRAIN, "--cpu", CONFIG, "/no/such dir/data:/no/other"], "data folder /no/such dir/data does not exist"),
+    # data-prep writes DESTDIR/<TASK>-bin, and both READMEs use --destdir data-bin
+    ([FINETUNE, "--cpu", "sst_2", "model.pt"], "error: data-bin/SST-2-bin is not a sentence_prediction data-bin"),
+    ([PRETRAIN, "--cpu", "--gpus", "2", CONFIG, "."], "--cpu runs one process outside Slurm"),
+], ids=["config", "indivisible", "batch-override", "zero-gpus", "data", "task", "checkpoint", "array", "results",
+        "data-with-spaces", "finetune-data-root", "cpu-ranks-outside-slurm"])
 def test_bad_input_fails_with_a_clear_message(cmd, message, tmp_path):
     proc = run(cmd, cwd=tmp_path, ok=False)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_sbatch_dry_run_cpu_ranks():
+    """--cpu under Slurm: one gloo rank per task, placed by fairseq's Slurm init as on GPUs."""
+    out = run([PRETRAIN_SBATCH, "--dry-run", "--nodes", "2", "--gpus-per-node", "2", "--cpu",
+               "--global-batch", "8", "--batch-size", "2", CONFIG, "data-bin/shard0"]).stdout
+    assert "srun: 2 node(s) x 2 task(s), one CPU process (gloo rank) each" in out
+    assert "plan: CPU (gloo), 2 node(s) x 2 process(es) = world size 4" in out
+    assert re.findall(r"^  node (\d+): ranks (\d+)-(\d+)$", out, re.M) == [("0", "0", "1"), ("1", "2", "3")]
+    assert tuple(map(int, PLAN.search(out).groups())) == (2, 1, 4, 8)
+    command = re.findall(r"^command: (.*)$", out, re.M)[1]
+    for override in ("common.cpu=true", "distributed_training.distributed_world_size=4",
+                     "distributed_training.distributed_backend=gloo", "distributed_training.ddp_backend=legacy_ddp",
+                     "distributed_training.distributed_port=", "checkpoint.load_checkpoint_on_all_dp_ranks=true"):
+        assert override in command, override
+    assert "distributed_init_method" not in command and "distributed_rank" not in command  # fairseq's Slurm init
+
+
+def truncate(path, keep=0.5):
+    """What a kill during fairseq's plain copy onto PATH leaves: the first part of the file."""
+    data = path.read_bytes()
+    path.write_bytes(data[:int(len(data) * keep)])
+
+
+def test_truncated_checkpoint_last_resumes_from_the_newest_complete_checkpoint(tmp_path, wikitext_bin):
+    """checkpoint_last.pt (and checkpoint_best.pt) cut short by a kill during fairseq's copy:
+    the relaunch resumes from checkpoint_1_8.pt, the newest checkpoint that loads. The data
+    folder's path has spaces."""
+    data = tmp_path / "data with spaces" / "wiki text"
+    data.parent.mkdir()
+    data.symlink_to(wikitext_bin)
+    save = tmp_path / "save"
+    cmd = [PRETRAIN, *SMOKE, "--save-dir", save, CONFIG, data, "checkpoint.save_interval_updates=4", *TINY]
+    run(cmd + ["optimization.max_update=8"])
+    log = save / "hydra_train.log"
+    assert [int(r["num_updates"]) for r in records(log, "train_inner")] == list(range(1, 9))
+    for copy in ("checkpoint_last.pt", "checkpoint_best.pt"):  # both are copies of checkpoint_1_8.pt
+        truncate(save / copy)
+    first_run = log.stat().st_size
+
+    out = run(cmd + ["optimization.max_update=12"]).stdout
+    assert (f"resume: {save}/checkpoint_last.pt does not load" in out
+            and "resuming from the newest complete checkpoint, checkpoint_1_8.pt (8 updates)" in out), out
+    assert f"resume: from {save}/checkpoint_1_8.pt" in out
+    text = log.read_text()[first_run:]
+    assert f"Loaded checkpoint {save}/checkpoint_1_8.pt (epoch 1 @ 8 updates)" in text
+    assert [int(r["num_updates"]) for r in records(log, "train_inner", start=first_run)] == [9, 10, 11, 12]
+    state = torch.load(save / "checkpoint_last.pt", map_location="cpu", weights_only=True)
+    assert state["optimizer_history"][-1]["num_updates"] == 12
+
+    # nothing complete left: start from scratch rather than fail in fairseq (a dry run moves nothing)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "checkpoint_last.pt").write_bytes((save / "checkpoint_last.pt").read_bytes()[:1000])
+    out = run([PRETRAIN, "--dry-run", *SMOKE, "--save-dir", empty, CONFIG, data]).stdout
+    assert "holds no complete checkpoint: starting from scratch (would move it to checkpoint_last.pt.incomplete)" in out
+    assert "resume: from" not in out and (empty / "checkpoint_last.pt").exists()
 
 
 @pytest.fixture(scope="module")
@@ -151,30 +213,16 @@ def test_bf16_steps_on_cpu(tmp_path, wikitext_bin):
 
 @pytest.fixture(scope="module")
 def sst2_bin(tmp_path_factory, wikitext_bin):
-    """The bundled SST-2 sample (320 train, 200 dev sentences) as a sentence_prediction
-    data-bin, words mapped with the pretraining dictionary."""
-    root = tmp_path_factory.mktemp("SST-2-bin")
-    words, labels = Dictionary.load(str(wikitext_bin / "dict.txt")), Dictionary()
-    for label in "01":
-        labels.add_symbol(label)
-    for split, name, rows in (("train", "train.tsv", 320), ("valid", "dev.tsv", 200)):
-        lines = (REPO / "data" / "sample" / "glue" / "SST-2" / name).read_text().splitlines()[1:rows + 1]
-        columns = list(zip(*(line.rsplit("\t", 1) for line in lines)))
-        for folder, dictionary, texts in (("input0", words, columns[0]), ("label", labels, columns[1])):
-            (root / folder).mkdir(exist_ok=True)
-            dictionary.save(str(root / folder / "dict.txt"))
-            out = indexed_dataset.make_builder(str(root / folder / f"{split}.bin"), impl="mmap", vocab_size=len(dictionary))
-            for text in texts:
-                out.add_item(dictionary.encode_line(text, add_if_not_exist=False).long())
-            out.finalize(str(root / folder / f"{split}.idx"))
-    return root
+    return build_sst2_bin(tmp_path_factory.mktemp("SST-2-bin"), wikitext_bin)
 
 
 def test_finetune_from_the_pretrained_checkpoint(resumed, sst2_bin, tmp_path):
     """finetune.sh takes the model from the checkpoint, writes the layout collect_results.py
     reads, and a relaunch resumes the finetuning run instead of restarting it."""
     pretrained = resumed[0] / "checkpoint_last.pt"
-    args = ["--data", sst2_bin, pretrained, "optimization.max_epoch=2", "optimization.lr=[0.001]"]
+    (tmp_path / "data-bin").mkdir()  # the default --data-root: data-prep's --destdir in the READMEs
+    (tmp_path / "data-bin" / "SST-2-bin").symlink_to(sst2_bin)
+    args = [pretrained, "optimization.max_epoch=2", "optimization.lr=[0.001]"]
     run([FINETUNE, "--cpu", "--global-batch", "16", "--batch-size", "16", "--seed", "3", "sst-2", *args], cwd=tmp_path)
     save = tmp_path / "checkpoints" / "finetune" / CONFIG / "sst_2" / "seed3"
     cfg = OmegaConf.load(save / ".hydra" / "config.yaml")
@@ -197,6 +245,13 @@ def test_finetune_from_the_pretrained_checkpoint(resumed, sst2_bin, tmp_path):
     assert elements == [("0", "3", "sst_2"), ("1", "4", "sst_2"), ("2", "3", "rte"), ("3", "4", "rte")]
     assert f"resume: from {save}/checkpoint_last.pt" in out
     assert "checkpoint.restore_file=checkpoint_last.pt checkpoint.reset_optimizer=false" in out
+
+    # killed while fairseq copied checkpoint_best.pt onto checkpoint_last.pt: resume from the best
+    truncate(save / "checkpoint_last.pt")
+    out = run([FINETUNE_SBATCH, "--dry-run", "--tasks", "sst_2", "--seeds", "3", *args], cwd=tmp_path).stdout
+    assert "resuming from the newest complete checkpoint, checkpoint_best.pt" in out
+    assert f"resume: from {save}/checkpoint_best.pt" in out
+    assert re.search(r"checkpoint\.restore_file=\\'\S+/checkpoint_best\.pt\\' checkpoint\.reset_optimizer=false", out), out
 
 
 def write_run(root, model, task, seed, metric, scores, maximize=True):

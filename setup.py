@@ -5,12 +5,12 @@ setup(
     version="0.1.0",
     description="Linformer (Wang et al. 2020) as a fairseq plugin for RoBERTa-style pretraining",
     packages=find_packages(include=["linformer_fairseq", "linformer_fairseq.*"]),
-    python_requires=">=3.8",
+    python_requires=">=3.10",  # torch 2.13 (README: Install) has wheels for 3.10 and up
     install_requires=[
-        # fairseq 0.12.2 does not import on Python >= 3.11; fairseq-fixed is fairseq's
-        # main branch with that fixed and provides the same `fairseq` module.
-        "fairseq==0.12.2; python_version < '3.11'",
-        "fairseq-fixed>=0.12.3; python_version >= '3.11'",
+        # fairseq-fixed is fairseq's main branch, installable on every Python we claim; it provides
+        # the same `fairseq` module. fairseq 0.12.2 no longer installs with pip >= 24.1 (its
+        # omegaconf<2.1 has metadata pip rejects) and does not import on Python >= 3.11.
+        "fairseq-fixed>=0.12.3",
         "sentencepiece",
         "tensorboard",
         "wikiextractor>=3.1.0",  # data-prep; 3.0.x fails on Python 3.11

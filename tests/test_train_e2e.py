@@ -54,19 +54,63 @@ def test_fairseq_train_learns_resumes_and_loads_through_the_hub(wikitext_bin, tm
     steps = [int(u) for u in re.findall(r"train_inner \| .*?num_updates=(\d+)", second)]
     assert steps == list(range(35, 61, 5)), f"resumed run repeated or skipped updates: {steps}"
 
+    check_hub_against_checkpoint(save / "checkpoint_last.pt", wikitext_bin)
+
+
+class WordBPE:
+    """The data is word-level (no BPE): the hub's fill_mask needs an encoder, the identity."""
+
+    def encode(self, text):
+        return text
+
+    def decode(self, text):
+        return text
+
+
+def check_hub_against_checkpoint(checkpoint, data):
+    """The hub interface gives the checkpoint's model: its features and masked-token
+    predictions equal those of the model fairseq's own loader builds from the same file, and
+    differ from a freshly initialised model's."""
+    from fairseq import checkpoint_utils
+
     from linformer_fairseq.models.linformer_roberta import LinformerRobertaModel
 
-    hub = LinformerRobertaModel.from_pretrained(str(save), "checkpoint_last.pt", str(wikitext_bin), bpe=None).eval()
+    hub = LinformerRobertaModel.from_pretrained(str(checkpoint.parent), checkpoint.name, str(data), bpe=None).eval()
     assert hub.model.encoder.args.compress_sharing == "kv"
     # the length handling it was trained with (not the default) comes back with the weights
     powers = {m.length_power for m in hub.model.modules() if hasattr(m, "length_power")}
     assert powers == {0.5}, powers
-    tokens = hub.task.source_dictionary.encode_line("the game was released in japan", add_if_not_exist=False).long()
-    tokens = torch.cat([tokens.new_tensor([0]), tokens])
-    state = torch.load(save / "checkpoint_last.pt")["model"]
-    assert torch.equal(hub.model.state_dict()["encoder.sentence_encoder.embed_tokens.weight"],
-                       state["encoder.sentence_encoder.embed_tokens.weight"])
-    assert hub.extract_features(tokens).shape == (1, len(tokens), 64)
+    (model,), cfg, task = checkpoint_utils.load_model_ensemble_and_task([str(checkpoint)], arg_overrides={"data": str(data)})
+    model.eval()
+    torch.manual_seed(0)
+    fresh = task.build_model(cfg.model).eval()
+
+    dictionary = hub.task.source_dictionary
+    sentence = "the game was released in Japan"
+    tokens = dictionary.encode_line(sentence, add_if_not_exist=False).long()
+    tokens = torch.cat([tokens.new_tensor([dictionary.bos()]), tokens])
+    assert dictionary.unk() not in tokens.tolist(), "pick words of the sample's dictionary"
+    with torch.no_grad():
+        features = hub.extract_features(tokens)
+        expected = model(tokens[None], features_only=True)[0]
+        untrained = fresh(tokens[None], features_only=True)[0]
+    assert features.shape == (1, len(tokens), 64)
+    torch.testing.assert_close(features, expected, atol=1e-6, rtol=1e-5)
+    assert (features - untrained).abs().mean() > 0.1 * untrained.abs().mean(), "hub features are an untrained model's"
+
+    # masked-token prediction through the hub (fill_mask) = the checkpoint model's LM head
+    hub.bpe = WordBPE()
+    masked = sentence.replace("Japan", "<mask>")
+    predictions = hub.fill_mask(masked, topk=5)
+    ids = dictionary.encode_line("<s> " + masked + " </s>", append_eos=False, add_if_not_exist=False).long()
+    position = ids.tolist().index(hub.task.mask_idx)
+    with torch.no_grad():
+        probs = model(ids[None])[0][0, position].softmax(-1)
+        fresh_probs = fresh(ids[None])[0][0, position].softmax(-1)
+    top = probs.topk(len(predictions))
+    assert [word for _, _, word in predictions] == [dictionary[i] for i in top.indices.tolist()], predictions
+    torch.testing.assert_close(torch.tensor([p for _, p, _ in predictions]), top.values, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(fresh_probs, probs, atol=1e-3), "hub predictions are an untrained model's"
 
 
 def test_fairseq_hydra_train_with_yaml(wikitext_bin, tmp_path):

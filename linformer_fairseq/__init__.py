@@ -4,11 +4,21 @@ Use as ``fairseq-train --user-dir linformer_fairseq --arch linformer_roberta_bas
 Importing registers the ``linformer_roberta`` model and its architectures.
 """
 import argparse
+import collections
+import typing
 
 import torch
+from omegaconf import DictConfig, ListConfig
+from omegaconf.base import ContainerMetadata, Metadata
+from omegaconf.nodes import AnyNode
 
-# torch >= 2.6 loads checkpoints with weights_only=True, and fairseq checkpoints hold the
-# training arguments as an argparse.Namespace: allow exactly that, keep the safe loader on.
-torch.serialization.add_safe_globals([argparse.Namespace])
+# torch >= 2.6 loads checkpoints with weights_only=True. fairseq checkpoints hold the training
+# arguments as an argparse.Namespace, and when several ranks resume, rank 0 sends the others
+# the loaded checkpoint with its config as an omegaconf DictConfig, which they unpickle with
+# the same safe loader. Allow exactly those types; the safe loader stays on.
+torch.serialization.add_safe_globals([
+    argparse.Namespace, DictConfig, ListConfig, ContainerMetadata, Metadata, AnyNode,
+    typing.Any, dict, list, int, collections.defaultdict,
+])
 
 from . import models  # noqa: E402,F401  (registers the models)

@@ -493,3 +493,37 @@ def test_checkpoint_without_length_norm_loads_as_none():
     src = tokens(7)
     with torch.no_grad():
         torch.testing.assert_close(features(new, src), features(old, src), atol=1e-6, rtol=0)
+
+
+def test_model_builds_from_an_argparse_namespace(tmp_path):
+    """Older fairseq scripts build the model from parse_args_and_arch's Namespace, which holds
+    only the flags given: the architectures must fill the Linformer defaults themselves."""
+    from fairseq import options, tasks
+
+    (tmp_path / "dict.txt").write_text("".join(f"w{i} 1\n" for i in range(20)))
+    for arch, layers, dim in (("linformer_roberta_base", 12, 768), ("linformer_roberta_large", 24, 1024)):
+        args = options.parse_args_and_arch(options.get_training_parser(), [
+            str(tmp_path), "--user-dir", "linformer_fairseq", "--arch", arch, "--task", "masked_lm",
+            "--max-positions", "64", "--compressed-dim", "16"])
+        model = tasks.setup_task(args).build_model(args)
+        encoder = model.encoder.sentence_encoder
+        assert (len(encoder.layers), encoder.embed_tokens.embedding_dim) == (layers, dim)
+        attn = encoder.layers[0].self_attn
+        assert (attn.compress_sharing, attn.compress_k.k, attn.compress_k.length_power) == ("headwise", 16, 1.0)
+
+
+def test_checkpoint_with_its_config_loads_under_the_safe_loader():
+    """When several ranks resume, fairseq's rank 0 sends the loaded checkpoint (its config an
+    omegaconf DictConfig) to the others, which torch.load it with weights_only=True."""
+    import io
+
+    from omegaconf import OmegaConf
+
+    state = {"cfg": OmegaConf.create({"model": {"_name": "linformer_roberta", "layers": [1, 2]}, "seed": None}),
+             "args": argparse.Namespace(arch="linformer_roberta"), "model": build_model().state_dict()}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)  # weights_only=True, torch's default
+    assert OmegaConf.to_container(loaded["cfg"]) == OmegaConf.to_container(state["cfg"])
+    assert loaded["args"].arch == "linformer_roberta"

@@ -2,6 +2,7 @@
 self-attention is Linformer attention. Works from fairseq-train flags and from
 fairseq-hydra-train yaml (model ``_name: linformer_roberta``) through one config dataclass.
 """
+import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -13,6 +14,7 @@ from fairseq.models.transformer.transformer_config import DEFAULT_MIN_PARAMS_TO_
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.roberta import RobertaEncoder, RobertaModel
 from fairseq.models.roberta.model import base_architecture as roberta_base_architecture
+from fairseq.models.roberta.model import roberta_large_architecture
 from fairseq.modules.transformer_sentence_encoder import init_bert_params
 from omegaconf import OmegaConf, open_dict
 
@@ -79,7 +81,10 @@ class LinformerRobertaConfig(FairseqDataclass):
         default="headwise",
         metadata={
             "help": "projection sharing: none (E_i, F_i per head), headwise (E, F per layer), "
-            "kv (E = F per layer), layerwise (one E for all layers, heads, keys and values)"
+            "kv (E = F per layer), layerwise (one E for all layers, heads, keys and values). With "
+            "mean pooling, which has no parameters and commutes with the key/value maps, all four "
+            "build the same model; with max pooling, headwise, kv and layerwise build the same model "
+            "and none differs (it pools after the key/value maps, and max does not commute with them)"
         },
     )
     compress_type: ChoiceEnum(COMPRESS_TYPES) = field(
@@ -219,12 +224,14 @@ class LinformerRobertaEncoder(RobertaEncoder):
 # architecture "linformer_roberta"); the named architectures only set what differs from them.
 @register_model_architecture("linformer_roberta", "linformer_roberta_base")
 def linformer_roberta_base_architecture(args):
-    pass
+    # fairseq's argparse path (options.parse_args_and_arch, then task.build_model(args)) keeps
+    # only the flags given; the dataclass path fills the rest, so fill them here too
+    for f in dataclasses.fields(LinformerRobertaConfig):
+        if not hasattr(args, f.name):
+            setattr(args, f.name, f.default)
 
 
 @register_model_architecture("linformer_roberta", "linformer_roberta_large")
 def linformer_roberta_large_architecture(args):
-    args.encoder_layers = utils.safe_getattr(args, "encoder_layers", 24)
-    args.encoder_embed_dim = utils.safe_getattr(args, "encoder_embed_dim", 1024)
-    args.encoder_ffn_embed_dim = utils.safe_getattr(args, "encoder_ffn_embed_dim", 4096)
-    args.encoder_attention_heads = utils.safe_getattr(args, "encoder_attention_heads", 16)
+    roberta_large_architecture(args)  # fairseq's large sizes, where not given
+    linformer_roberta_base_architecture(args)

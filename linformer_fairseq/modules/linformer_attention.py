@@ -187,8 +187,11 @@ class LinformerMultiheadAttention(nn.Module):
     The projection is applied to the layer input *before* the key/value linear maps whenever
     it is shared by heads (k rows go through W_K, W_V instead of n), and once for both keys and
     values when they share it. With per-head projections (``none``) it is applied after the
-    linear maps, which is cheaper than projecting the input once per head. Both orders compute
-    ``K_i = (E_i X) W_i^K + b_i^K``.
+    linear maps, which is cheaper than projecting the input once per head. For linear, mean and
+    conv projections both orders compute ``K_i = (E_i X) W_i^K + b_i^K``; max pooling does not
+    commute with the maps, so under ``none`` it pools ``X W_i^K`` (a different operator from the
+    other levels). Mean and max pooling have no parameters, so headwise, kv and layerwise give
+    the same model with them (and, for mean, so does none).
     """
 
     def __init__(

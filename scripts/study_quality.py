@@ -49,8 +49,9 @@ def linformer(n, k=None, **changes):
 
 
 def run_specs(n):
-    """Name -> (model flags, extra pretraining flags), in the order they run: the paper's
-    claims (k, sharing) and the choice of defaults first, so a study cut short keeps them."""
+    """Name -> (model flags, extra pretraining flags), in the order they run: the transfer to
+    short inputs and its alternatives first, then k, sharing, init, so a study cut short
+    keeps what matters most."""
     # blocks of whole lines (paragraphs), each cut to n-1 tokens so that with <s> it fits n:
     # fairseq gives a line longer than the block its own block
     varied = ["--sample-break-mode", "complete", "--shorten-method", "truncate", "--tokens-per-sample", n - 1]
@@ -58,17 +59,17 @@ def run_specs(n):
         "roberta": (["--arch", "roberta_base"], []),
         "linformer": (linformer(n), []),
         "length-norm-none": (linformer(n, compress_length_norm="none"), []),
+        "mean-pooling": (linformer(n, compress_type="mean"), []),
+        "varied-blocks-norm-none": (linformer(n, compress_length_norm="none"), varied),
         "k-n16": (linformer(n, n // 16), []),
         "k-n4": (linformer(n, n // 4), []),
         "sharing-kv": (linformer(n, compress_sharing="kv"), []),
         "sharing-layerwise": (linformer(n, compress_sharing="layerwise"), []),
         "sharing-none": (linformer(n, compress_sharing="none"), []),
-        "mean-pooling": (linformer(n, compress_type="mean"), []),
         "init-mean": (linformer(n, compress_init="mean"), []),
         "init-xavier": (linformer(n, compress_init="xavier"), []),
         "length-norm-sqrt": (linformer(n, compress_length_norm="sqrt"), []),
         "conv": (linformer(n, compress_type="conv"), []),
-        "varied-blocks-norm-none": (linformer(n, compress_length_norm="none"), varied),
         "nonuniform-k": (linformer(n, layer_compressed_dims=",".join(str(n // d) for d in (4, 8, 16, 16))), []),
     }
 
@@ -277,7 +278,7 @@ def do_run(args, paths, name, spec):
     if not (out / "short_inputs.json").exists():
         losses = short_input_losses(args, paths, out)
         (out / "short_inputs.json").write_text(json.dumps(losses, indent=1))
-    for seed in range(1, args.seeds + 1):
+    for seed in range(1, args.seeds + 1) if args.sst2_runs is None or name in args.sst2_runs else ():
         if not (out / f"sst2-seed{seed}.log").exists():
             log(f"{name}: SST-2 finetuning, seed {seed}")
             finetune(args, paths, model_flags, out, seed)
@@ -424,6 +425,9 @@ def main():
     p.add_argument("--valid-batches", type=int, default=16,
                    help="validation perplexity on the first N batches of 32 blocks (default: %(default)s)")
     p.add_argument("--runs", nargs="+", metavar="NAME", help="only these runs (default: all; see --list)")
+    p.add_argument("--sst2-runs", nargs="+", metavar="NAME",
+                   help="finetune only these runs on SST-2 (default: all); the others get perplexity and "
+                        "the short-input table")
     p.add_argument("--list", action="store_true", help="print the runs and their flags, then exit")
     p.add_argument("--jobs", type=int, default=1,
                    help="runs trained at once, each on --threads threads (default: %(default)s)")
@@ -439,14 +443,15 @@ def main():
         for name, (model_flags, task_flags) in specs.items():
             print(f"{name}: {' '.join(map(str, model_flags + task_flags))}")
         return
-    unknown = set(args.runs or []) - set(specs)
+    unknown = (set(args.runs or []) | set(args.sst2_runs or [])) - set(specs)
     if unknown:
         p.error(f"unknown run(s) {sorted(unknown)}; --list shows the names")
     if args.runs:
         specs = {k: v for k, v in specs.items() if k in args.runs}
     args.out.mkdir(parents=True, exist_ok=True)
     args.out = args.out.resolve()
-    settings = {k: str(v) for k, v in vars(args).items() if k not in ("runs", "jobs", "threads", "report_only", "list", "out")}
+    settings = {k: str(v) for k, v in vars(args).items()
+                if k not in ("runs", "sst2_runs", "jobs", "threads", "report_only", "list", "out")}
     saved = args.out / "settings.json"
     if saved.exists() and json.loads(saved.read_text()) != settings:
         fail(f"{args.out} holds a study made with other settings ({saved}); use another --out")

@@ -52,9 +52,9 @@ def run_specs(n):
     """Name -> (model flags, extra pretraining flags), in the order they run: the transfer to
     short inputs and its alternatives first, then k, sharing, init, so a study cut short
     keeps what matters most."""
-    # blocks of whole lines (paragraphs), each cut to n-1 tokens so that with <s> it fits n:
-    # fairseq gives a line longer than the block its own block
-    varied = ["--sample-break-mode", "complete", "--shorten-method", "truncate", "--tokens-per-sample", n - 1]
+    # blocks of whole lines (paragraphs) up to n tokens; fairseq gives a line longer than the
+    # block a block of its own, too long for n, so such lines are skipped (train and valid)
+    varied = ["--sample-break-mode", "complete", "--skip-invalid-size-inputs-valid-test"]
     return {
         "roberta": (["--arch", "roberta_base"], []),
         "linformer": (linformer(n), []),
@@ -63,11 +63,11 @@ def run_specs(n):
         "varied-blocks-norm-none": (linformer(n, compress_length_norm="none"), varied),
         "k-n16": (linformer(n, n // 16), []),
         "k-n4": (linformer(n, n // 4), []),
+        "init-xavier": (linformer(n, compress_init="xavier"), []),
         "sharing-kv": (linformer(n, compress_sharing="kv"), []),
         "sharing-layerwise": (linformer(n, compress_sharing="layerwise"), []),
-        "sharing-none": (linformer(n, compress_sharing="none"), []),
         "init-mean": (linformer(n, compress_init="mean"), []),
-        "init-xavier": (linformer(n, compress_init="xavier"), []),
+        "sharing-none": (linformer(n, compress_sharing="none"), []),
         "length-norm-sqrt": (linformer(n, compress_length_norm="sqrt"), []),
         "conv": (linformer(n, compress_type="conv"), []),
         "nonuniform-k": (linformer(n, layer_compressed_dims=",".join(str(n // d) for d in (4, 8, 16, 16))), []),

@@ -382,8 +382,11 @@ def log_summary(out, names):
 
 
 def plot(curves, path, title):
+    import logging
+
     import matplotlib
 
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq set the root logger to DEBUG
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -464,7 +467,7 @@ def main():
                 f.result()
     for name in specs:
         out = args.out / "runs" / name
-        if (out / "checkpoints" / "checkpoint_last.pt").exists() and not (out / "timing.json").exists():
+        if (out / "short_inputs.json").exists() and not (out / "timing.json").exists():  # finished runs
             log(f"{name}: timing updates")
             (out / "timing.json").write_text(json.dumps(time_updates(args, paths, name, out)))
     report(args, specs)

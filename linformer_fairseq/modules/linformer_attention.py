@@ -136,12 +136,13 @@ class SequenceProjection(nn.Module):
         else:
             x = x.reshape(T, B, self.groups, C // self.groups)
             out = torch.einsum("gkt,tbgd->kbgd", E, x).reshape(self.k, B, C)
-        if self.length_power == 0.0:
-            return out
+        if self.length_power == 0.0 or (pad_mask is None and T == self.max_positions):
+            return out  # factor 1: every full pretraining block
+        # in place: `out` is a fresh product that its backward does not need
         if pad_mask is None:
-            return out * (self.max_positions / T) ** self.length_power
+            return out.mul_((self.max_positions / T) ** self.length_power)
         lengths = (~pad_mask).sum(1).clamp(min=1).to(out.dtype)  # each sentence's own T
-        return out * (self.max_positions / lengths).pow(self.length_power).view(1, B, 1)
+        return out.mul_((self.max_positions / lengths).pow(self.length_power).view(1, B, 1))
 
     def _pooled(self, x: Tensor, pad_mask: Optional[Tensor]):
         T, B, C = x.shape

@@ -4,7 +4,9 @@ setup(
     name="linformer-fairseq",
     version="0.1.0",
     description="Linformer (Wang et al. 2020) as a fairseq plugin for RoBERTa-style pretraining",
-    packages=find_packages(include=["linformer_fairseq", "linformer_fairseq.*"]),
+    # the plugin, and the helpers of the data-prep stages, the scripts and the tests
+    packages=[*find_packages(include=["linformer_fairseq", "linformer_fairseq.*"]), "dataprep", "linformer_tools"],
+    package_dir={"dataprep": "data-prep/dataprep", "linformer_tools": "scripts/linformer_tools"},
     python_requires=">=3.10",  # torch 2.13 (README: Install) has wheels for 3.10 and up
     install_requires=[
         # fairseq-fixed is fairseq's main branch, installable on every Python we claim; it provides
@@ -15,5 +17,5 @@ setup(
         "tensorboard",
         "wikiextractor>=3.1.0",  # data-prep; 3.0.x fails on Python 3.11
     ],
-    extras_require={"dev": ["pytest", "matplotlib", "hydra-submitit-launcher"]},
+    extras_require={"dev": ["pytest", "matplotlib", "ruff"]},
 )

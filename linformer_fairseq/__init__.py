@@ -3,6 +3,7 @@
 Use as ``fairseq-train --user-dir linformer_fairseq --arch linformer_roberta_base ...``.
 Importing registers the ``linformer_roberta`` model and its architectures.
 """
+
 import argparse
 import collections
 import typing
@@ -16,9 +17,22 @@ from omegaconf.nodes import AnyNode
 # arguments as an argparse.Namespace, and when several ranks resume, rank 0 sends the others
 # the loaded checkpoint with its config as an omegaconf DictConfig, which they unpickle with
 # the same safe loader. Allow exactly those types; the safe loader stays on.
-torch.serialization.add_safe_globals([
-    argparse.Namespace, DictConfig, ListConfig, ContainerMetadata, Metadata, AnyNode,
-    typing.Any, dict, list, int, collections.defaultdict,
-])
+torch.serialization.add_safe_globals(
+    [
+        argparse.Namespace,
+        DictConfig,
+        ListConfig,
+        ContainerMetadata,
+        Metadata,
+        AnyNode,
+        typing.Any,
+        dict,
+        list,
+        int,
+        collections.defaultdict,
+    ]
+)
 
-from . import models  # noqa: E402,F401  (registers the models)
+from .models.linformer_roberta import LinformerRobertaModel  # noqa: E402  (registers the models)
+
+__all__ = ["LinformerRobertaModel"]

@@ -3,6 +3,7 @@
 (paper Figure 1): per layer and head, the normalised cumulative singular values of
 P = softmax(Q K^T / sqrt(d)) (RoBERTa, n x n) or of P-bar (Linformer, n x k), averaged over
 sequences of real text."""
+
 import argparse
 import json
 import sys
@@ -11,18 +12,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    fail,
-    force_explicit_attention,
-    import_fairseq,
-    import_plugin,
-    pyplot,
-    save_figure,
-    write_text,
-)
+from linformer_tools.common import fail, write_text
+from linformer_tools.models import force_explicit_attention, import_fairseq, import_plugin, pyplot, save_figure
 
-DESCRIPTION = __doc__ + """
+DESCRIPTION = (
+    __doc__
+    + """
 Input: --checkpoint (a fairseq-train checkpoint of roberta_* or linformer_roberta_*) and either
 --text (a text file already in the units of the checkpoint's dict.txt: each line is split on
 whitespace and looked up in it, as fairseq-preprocess does; apply your BPE first if the dictionary
@@ -45,6 +40,7 @@ layer; rewritten after every batch, so an interrupted run keeps its average so f
 spectrum.png: curves per layer averaged over heads (left) and the heatmap of c(K) over layers x
 heads (right). The per-layer c(K) table is also printed.
 """
+)
 
 
 def get_parser():
@@ -54,11 +50,18 @@ def get_parser():
     source.add_argument("--text", type=Path, help="text file in the dictionary's units")
     source.add_argument("--data-bin", type=Path, help="fairseq binarized data folder")
     p.add_argument("--split", default="valid", help="split of --data-bin (default: valid)")
-    p.add_argument("--data", type=Path,
-                   help="folder with the checkpoint's dict.txt (default: the checkpoint's training data "
-                   "folder, else the checkpoint's own folder)")  # fmt: skip
-    p.add_argument("--seq-len", type=int, default=0,
-                   help="tokens per sequence, n (default: the model's max positions, at most 512 as in the paper)")
+    p.add_argument(
+        "--data",
+        type=Path,
+        help="folder with the checkpoint's dict.txt (default: the checkpoint's training data "
+        "folder, else the checkpoint's own folder)",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=0,
+        help="tokens per sequence, n (default: the model's max positions, at most 512 as in the paper)",
+    )
     p.add_argument("--max-sentences", type=int, default=100, help="sequences to average over (default: 100)")
     p.add_argument("--index", type=int, default=128, help="K: report c(K), the mass of the K largest (default: 128)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per forward (default: 4)")
@@ -104,8 +107,10 @@ def context_mappings(model, tokens):
         _, weights = m(*args, **{**kwargs, "need_weights": True, "need_head_weights": True})
         if weights is None or weights.dim() != 4 or weights.size(0) != m.num_heads:
             shape = None if weights is None else tuple(weights.shape)
-            fail(f"layer {i} ({type(m).__name__}) returned attention weights of shape {shape}, "
-                 f"expected heads x batch x T x S")  # fmt: skip
+            fail(
+                f"layer {i} ({type(m).__name__}) returned attention weights of shape {shape}, "
+                f"expected heads x batch x T x S"
+            )
         maps.append(weights)
     return maps
 
@@ -171,8 +176,11 @@ def token_stream(args, dictionary):
     stream = torch.cat(lines).long() if lines else torch.empty(0, dtype=torch.long)
     unknown = (stream == dictionary.unk()).float().mean().item() if len(stream) else 0.0
     if unknown > 0.1:
-        print(f"warning: {unknown:.0%} of the tokens are not in the dictionary (<unk>); "
-              f"is the input in the dictionary's units?", file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: {unknown:.0%} of the tokens are not in the dictionary (<unk>); "
+            f"is the input in the dictionary's units?",
+            file=sys.stderr,
+        )
     return stream
 
 
@@ -193,15 +201,25 @@ def summary(curves, K, args, cfg, sentences):
     layers = []
     for i, c in enumerate(curves, 1):  # layer 1 is fairseq's layers.0
         heads = at_index(c, K)
-        layers.append({
-            "layer": i, "columns": c.size(-1), "share_at_index": heads.mean().item(),
-            "heads_at_index": heads.tolist(), "mean_curve": c.mean(0).tolist(), "head_curves": c.tolist(),
-        })  # fmt: skip
+        layers.append(
+            {
+                "layer": i,
+                "columns": c.size(-1),
+                "share_at_index": heads.mean().item(),
+                "heads_at_index": heads.tolist(),
+                "mean_curve": c.mean(0).tolist(),
+                "head_curves": c.tolist(),
+            }
+        )
     return {
-        "checkpoint": str(args.checkpoint), "arch": cfg.model._name if "_name" in cfg.model else None,
-        "input": str(args.text or f"{args.data_bin}/{args.split}"), "seq_len": args.seq_len, "sentences": sentences,
-        "index": K, "layers": layers,
-    }  # fmt: skip
+        "checkpoint": str(args.checkpoint),
+        "arch": cfg.model._name if "_name" in cfg.model else None,
+        "input": str(args.text or f"{args.data_bin}/{args.split}"),
+        "seq_len": args.seq_len,
+        "sentences": sentences,
+        "index": K,
+        "layers": layers,
+    }
 
 
 def plot(result, path):
@@ -215,8 +233,11 @@ def plot(result, path):
         curve = layer["mean_curve"]
         left.plot(range(1, len(curve) + 1), curve, color=colour, label=f"layer {layer['layer']}")
     left.axvline(K, color="grey", linestyle=":", linewidth=1)
-    left.set(xlabel="singular value index", ylabel="normalised cumulative singular value",
-             title=f"{result['arch']}, n={result['seq_len']}, {result['sentences']} sequences")  # fmt: skip
+    left.set(
+        xlabel="singular value index",
+        ylabel="normalised cumulative singular value",
+        title=f"{result['arch']}, n={result['seq_len']}, {result['sentences']} sequences",
+    )
     left.legend(fontsize=6, ncol=2)
     heat = np.array([layer["heads_at_index"] for layer in layers])
     image = right.imshow(heat, aspect="auto", origin="lower", cmap="viridis")
@@ -238,8 +259,10 @@ def table(result):
     ]
     for layer in result["layers"]:
         heads = layer["heads_at_index"]
-        lines.append(f"| {layer['layer']} | {layer['columns']} | {layer['share_at_index']:.3f} "
-                     f"| {min(heads):.3f} | {max(heads):.3f} |")  # fmt: skip
+        lines.append(
+            f"| {layer['layer']} | {layer['columns']} | {layer['share_at_index']:.3f} "
+            f"| {min(heads):.3f} | {max(heads):.3f} |"
+        )
     if any(layer["columns"] <= K for layer in result["layers"]):
         lines.append(f"(layers with at most {K} columns hold all their mass by index {K}: c(K) = 1 by construction)")
     return "\n".join(lines)

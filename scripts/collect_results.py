@@ -6,24 +6,24 @@ write them: hydra_train.log (fairseq's json log) and .hydra/config.yaml (the run
 which names the metric: accuracy, or mcc for CoLA, pearson for STS-B). Each cell is the best
 dev score of a run, as mean +- standard deviation over its seeds (n runs); Average is the mean
 of a row's cells when every column has a score.
+
+With --quickstart PRETRAIN_DIR FINETUNE_DIR, it prints the quickstart's summary instead.
 """
+
 import argparse
-import json
 import statistics
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import yaml
 
+from linformer_tools.common import fail
+from linformer_tools.logs import records
+
 # the paper's Table 2 columns first, then the rest of GLUE
 TASK_ORDER = ["sst_2", "imdb", "qnli", "qqp", "mnli", "mrpc", "rte", "cola", "sts_b"]
 TITLES = {"sst_2": "SST-2", "sts_b": "STS-B", "cola": "CoLA"}
-
-
-def fail(message):
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)  # as argparse and the bash launchers do on bad input
 
 
 def best_dev_score(run: Path):
@@ -33,14 +33,11 @@ def best_dev_score(run: Path):
         fail(f"{config_file} is missing: {run} is not a fairseq-hydra-train run")
     checkpoint = yaml.safe_load(config_file.read_text())["checkpoint"]
     metric, maximize = checkpoint["best_checkpoint_metric"], checkpoint["maximize_best_checkpoint_metric"]
-    key = f"valid_{metric}"
-    scores = []
-    for number, line in enumerate((run / "hydra_train.log").read_text().splitlines(), 1):
-        if f'"{key}"' in line:
-            try:
-                scores.append(float(json.loads(line[line.index("{"):])[key]))
-            except (ValueError, KeyError) as e:
-                fail(f"{run / 'hydra_train.log'}:{number}: unreadable validation line ({e})")
+    log = run / "hydra_train.log"
+    try:
+        scores = [float(r[metric]) for r in records(log, "valid") if metric in r]
+    except ValueError as e:
+        fail(f"{log}: unreadable validation record ({e})")
     if not scores:
         return metric, None, 0
     return metric, (max if maximize else min)(scores), len(scores)
@@ -60,8 +57,10 @@ def collect(root: Path):
             fail(f"{run} reports {metric}, other {task} runs {metrics[task]}")
         scores[model][task].append(score)
     if not scores:
-        fail(f"no finetuning runs with a validation under {root} (expected "
-             f"{root}/<model>/<task>/seed<S>/hydra_train.log, as scripts/finetune.sh writes)")
+        fail(
+            f"no finetuning runs with a validation under {root} (expected "
+            f"{root}/<model>/<task>/seed<S>/hydra_train.log, as scripts/finetune.sh writes)"
+        )
     return scores, metrics
 
 
@@ -83,11 +82,51 @@ def table(scores, metrics) -> str:
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 
+def quickstart_summary(pretrain: Path, finetune: Path, dev_tsv: Path) -> str:
+    """Validation loss and perplexity of the pretraining, SST-2 dev accuracy against the
+    majority class, and where the outputs are."""
+    loss = records(pretrain / "hydra_train.log", "valid")
+    accuracy = [r["accuracy"] for r in records(finetune / "hydra_train.log", "valid")]
+    if not (loss and accuracy):
+        fail(f"no validation results in {pretrain}/hydra_train.log and {finetune}/hydra_train.log")
+    labels = Counter(line.rsplit("\t", 1)[-1] for line in dev_tsv.read_text().splitlines()[1:])
+    first, last = loss[0], loss[-1]
+    return "\n".join(
+        [
+            f"pretraining validation loss: {first['loss']:.3f} -> {last['loss']:.3f} (base 2; "
+            f"perplexity {first['ppl']:.1f} -> {last['ppl']:.1f}, {len(loss)} validations)",
+            f"SST-2 dev accuracy: {accuracy[-1]:.1f}% after the last epoch, best {max(accuracy):.1f}% "
+            f"(majority class: {100 * max(labels.values()) / sum(labels.values()):.1f}%)",
+            f"checkpoints: {pretrain}/ and {finetune}/",
+            f"tensorboard: tensorboard --logdir {pretrain.parent}",
+            f"logs: {pretrain}/hydra_train.log and {finetune}/hydra_train.log",
+        ]
+    )
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("root", type=Path, nargs="?", default=Path("checkpoints/finetune"),
-                   help="the finetuning runs' root folder (default: checkpoints/finetune)")
+    p.add_argument(
+        "root",
+        type=Path,
+        nargs="?",
+        default=Path("checkpoints/finetune"),
+        help="the finetuning runs' root folder (default: checkpoints/finetune)",
+    )
+    p.add_argument(
+        "--quickstart",
+        nargs=2,
+        type=Path,
+        metavar=("PRETRAIN_DIR", "FINETUNE_DIR"),
+        help="print the quickstart's summary of these two runs instead",
+    )
+    p.add_argument("--dev-tsv", type=Path, help="with --quickstart: SST-2 dev.tsv, for the majority class")
     args = p.parse_args()
+    if args.quickstart:
+        if not (args.dev_tsv and args.dev_tsv.is_file()):
+            fail(f"--quickstart needs --dev-tsv, an SST-2 dev.tsv (got {args.dev_tsv})")
+        print(quickstart_summary(*args.quickstart, args.dev_tsv))
+        return
     if not args.root.is_dir():
         fail(f"{args.root} is not a folder")
     print(table(*collect(args.root)))

@@ -67,7 +67,7 @@ DATA=${DATA:-$DATA_ROOT/$(task_folder "$TASK")-bin}
 CHECKPOINT=$(realpath "$CHECKPOINT")
 SAVE_DIR=${SAVE_DIR:-checkpoints/finetune/$(basename "$(dirname "$CHECKPOINT")")/$TASK/seed$SEED}
 
-MODEL=$("$PYTHON" "$REPO/scripts/launch_helper.py" model "$CHECKPOINT")
+MODEL=$("$PYTHON" -m linformer_tools.launch model "$CHECKPOINT")
 mapfile -t OVERRIDES <<<"$MODEL"
 OVERRIDES+=("task.data=$(hydra_quote "$DATA")" "common.seed=$SEED")
 find_resume

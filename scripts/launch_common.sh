@@ -1,6 +1,6 @@
 # shellcheck shell=bash disable=SC2034  # the variables set here are read by the scripts that source it
 # Sourced by scripts/pretrain.sh and scripts/finetune.sh: their shared options, the batch
-# arithmetic (scripts/launch_helper.py) and the fairseq-hydra-train command they print or run.
+# arithmetic (linformer_tools/launch.py) and the fairseq-hydra-train command they print or run.
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python3}
@@ -118,7 +118,7 @@ find_resume() {
     if ((DRY_RUN)); then
         flags+=(--dry-run)
     fi
-    answer=$("$PYTHON" "$REPO/scripts/launch_helper.py" resume "$SAVE_DIR" "${flags[@]}")
+    answer=$("$PYTHON" -m linformer_tools.launch resume "$SAVE_DIR" "${flags[@]}")
     RESUME=${answer%%$'\n'*}
     [[ $answer == *$'\n'* ]] && RESUME_NOTE=${answer#*$'\n'}
     return 0
@@ -128,7 +128,7 @@ find_resume() {
 launch() {
     local config_dir=$1 config=$2 plan batch update_freq global_batch
     set_world_size
-    plan=$("$PYTHON" "$REPO/scripts/launch_helper.py" batch "$config_dir" "$config" \
+    plan=$("$PYTHON" -m linformer_tools.launch batch "$config_dir" "$config" \
         "${OVERRIDES[@]}" --world-size "$WORLD" \
         ${BATCH_SIZE:+--batch-size "$BATCH_SIZE"} ${GLOBAL_BATCH:+--global-batch "$GLOBAL_BATCH"})
     read -r batch update_freq global_batch <<<"$plan"

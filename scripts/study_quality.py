@@ -13,6 +13,7 @@ checkpoint_last.pt):
    (timing.json), then OUT/report.md, OUT/results.json, OUT/logs-summary.txt and
    OUT/perplexity.png.
 """
+
 import argparse
 import json
 import math
@@ -26,8 +27,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-PLUGIN_DIR = REPO / "linformer_fairseq"
+from dataprep.common import guess_encoding
+from linformer_tools.common import PLUGIN_DIR, REPO, atomic, fail, write_text
+from linformer_tools.logs import by_update, records
+
 DATA_PREP = REPO / "data-prep"
 
 SIZES = {  # layers, width, ffn, heads, n, batch (sequences per update)
@@ -40,8 +43,13 @@ def linformer(n, k=None, **changes):
     """Flags of a Linformer run: k = n/8, headwise, linear projection, linear length norm,
     N(0, 0.02) init, each overridden by ``changes`` (all explicit: no run depends on the
     plugin's defaults)."""
-    flags = dict(compressed_dim=k or n // 8, compress_sharing="headwise", compress_type="linear",
-                 compress_length_norm="linear", compress_init="normal")
+    flags = dict(
+        compressed_dim=k or n // 8,
+        compress_sharing="headwise",
+        compress_type="linear",
+        compress_length_norm="linear",
+        compress_init="normal",
+    )
     flags.update(changes)
     return ["--arch", "linformer_roberta_base"] + [
         x for key, value in flags.items() for x in ("--" + key.replace("_", "-"), str(value))
@@ -78,10 +86,6 @@ def log(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def fail(msg):
-    raise SystemExit(f"error: {msg}")
-
-
 def sh(cmd, logfile=None, threads=None):
     """Run a command; its output goes to logfile (kept on failure) or to ours."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHON=sys.executable)  # data-prep wrappers run $PYTHON
@@ -109,29 +113,94 @@ def prepare_data(args, work):
     data = work / "data"
     data.mkdir(parents=True, exist_ok=True)
     wt, books = args.wikitext, args.books
-    for path in (wt / "wiki.train.tokens", wt / "wiki.valid.tokens", books, args.sst2 / "train.tsv", args.sst2 / "dev.tsv"):
+    for path in (
+        wt / "wiki.train.tokens",
+        wt / "wiki.valid.tokens",
+        books,
+        args.sst2 / "train.tsv",
+        args.sst2 / "dev.tsv",
+    ):
         if not path.exists():
             fail(f"{path} not found (see --help for the data flags)")
     books = utf8_books(books, data / "books")
     # The corpus builder always holds out documents; the train corpus gives 1 document to its
     # unused valid split, and all of WikiText-2 valid becomes the validation text.
-    sh([DATA_PREP / "corpus.sh", "--out", data / "corpus-train", "--valid-docs", "1",
-             "--wikitext", wt / "wiki.train.tokens", "--books", books])
-    sh([DATA_PREP / "corpus.sh", "--out", data / "corpus-valid", "--valid-docs", "1",
-             "--wikitext", wt / "wiki.valid.tokens"])
+    sh(
+        [
+            DATA_PREP / "corpus.sh",
+            "--out",
+            data / "corpus-train",
+            "--valid-docs",
+            "1",
+            "--wikitext",
+            wt / "wiki.train.tokens",
+            "--books",
+            books,
+        ]
+    )
+    sh(
+        [
+            DATA_PREP / "corpus.sh",
+            "--out",
+            data / "corpus-valid",
+            "--valid-docs",
+            "1",
+            "--wikitext",
+            wt / "wiki.valid.tokens",
+        ]
+    )
     valid_txt = data / "valid.txt"
     if not valid_txt.exists():
         text = "".join((data / "corpus-valid" / f).read_text() for f in ("train.txt", "valid.txt"))
-        valid_txt.with_suffix(".tmp").write_text(text)
-        valid_txt.with_suffix(".tmp").rename(valid_txt)
+        write_text(valid_txt, text)
     spm = data / "spm"
-    sh([DATA_PREP / "spm.sh", "train", "--corpus", data / "corpus-train" / "train.txt", "--out", spm,
-             "--vocab-size", args.vocab_size, "--workers", 2])
-    sh([DATA_PREP / "spm.sh", "encode", "--model", spm / "spm.model", "--workers", 2,
-             "--inputs", data / "corpus-train" / "train.txt", valid_txt,
-             "--outputs", data / "train.spm", data / "valid.spm"])
-    sh([DATA_PREP / "binarize.sh", "--train", data / "train.spm", "--valid", data / "valid.spm",
-             "--srcdict", spm / "dict.txt", "--destdir", data / "data-bin", "--shards", 1, "--workers", 2])
+    sh(
+        [
+            DATA_PREP / "spm.sh",
+            "train",
+            "--corpus",
+            data / "corpus-train" / "train.txt",
+            "--out",
+            spm,
+            "--vocab-size",
+            args.vocab_size,
+            "--workers",
+            2,
+        ]
+    )
+    sh(
+        [
+            DATA_PREP / "spm.sh",
+            "encode",
+            "--model",
+            spm / "spm.model",
+            "--workers",
+            2,
+            "--inputs",
+            data / "corpus-train" / "train.txt",
+            valid_txt,
+            "--outputs",
+            data / "train.spm",
+            data / "valid.spm",
+        ]
+    )
+    sh(
+        [
+            DATA_PREP / "binarize.sh",
+            "--train",
+            data / "train.spm",
+            "--valid",
+            data / "valid.spm",
+            "--srcdict",
+            spm / "dict.txt",
+            "--destdir",
+            data / "data-bin",
+            "--shards",
+            1,
+            "--workers",
+            2,
+        ]
+    )
 
     subset = data / "sst2-subset" / "SST-2"
     if not (subset / "dev.tsv").exists():
@@ -142,27 +211,35 @@ def prepare_data(args, work):
         rows = random.Random(0).sample(rows, args.sst2_train_rows)
         (subset / "train.tsv").write_text(header + "".join(rows))
         (subset / "dev.tsv").write_text((args.sst2 / "dev.tsv").read_text())
-    sh([DATA_PREP / "glue.sh", "--glue-dir", subset.parent, "--tasks", "SST-2", "--spm-model", spm / "spm.model",
-             "--srcdict", spm / "dict.txt", "--destdir", data / "glue", "--workers", 2])
+    sh(
+        [
+            DATA_PREP / "glue.sh",
+            "--glue-dir",
+            subset.parent,
+            "--tasks",
+            "SST-2",
+            "--spm-model",
+            spm / "spm.model",
+            "--srcdict",
+            spm / "dict.txt",
+            "--destdir",
+            data / "glue",
+            "--workers",
+            2,
+        ]
+    )
     shards = sorted((data / "data-bin").glob("shard*"))
     return {"data_bin": ":".join(map(str, shards)) or str(data / "data-bin"), "sst2_bin": data / "glue" / "SST-2-bin"}
 
 
 def utf8_books(src, dest):
-    """Copies of the books in UTF-8 (data-prep reads UTF-8 only; two of the NLTK Gutenberg
-    books are Latin-1)."""
+    """Copies of the books in UTF-8 (two of the Gutenberg books are Latin-1), made once."""
     if not dest.exists():
-        tmp = dest.with_name(dest.name + ".tmp")
-        tmp.mkdir(parents=True, exist_ok=True)
-        for book in sorted(src.glob("*.txt")):
-            raw = book.read_bytes()
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                text = raw.decode("latin-1")
-                log(f"{book.name}: not UTF-8, read as Latin-1")
-            (tmp / book.name).write_text(text, encoding="utf-8")
-        tmp.rename(dest)
+        with atomic(dest) as tmp:
+            tmp.mkdir()
+            for book in sorted(src.glob("*.txt")):
+                text = book.read_bytes().decode(guess_encoding(book, fallback="latin-1"))
+                (tmp / book.name).write_text(text, encoding="utf-8")
     return dest
 
 
@@ -171,42 +248,152 @@ def utf8_books(src, dest):
 
 def size_flags(size):
     s = SIZES[size]
-    return ["--encoder-layers", s["layers"], "--encoder-embed-dim", s["dim"], "--encoder-ffn-embed-dim", s["ffn"],
-            "--encoder-attention-heads", s["heads"], "--max-positions", s["n"],
-            "--dropout", 0.1, "--attention-dropout", 0.1]
+    return [
+        "--encoder-layers",
+        s["layers"],
+        "--encoder-embed-dim",
+        s["dim"],
+        "--encoder-ffn-embed-dim",
+        s["ffn"],
+        "--encoder-attention-heads",
+        s["heads"],
+        "--max-positions",
+        s["n"],
+        "--dropout",
+        0.1,
+        "--attention-dropout",
+        0.1,
+    ]
 
 
-COMMON = ["--user-dir", PLUGIN_DIR, "--optimizer", "adam", "--adam-betas", "(0.9,0.98)", "--adam-eps", "1e-6",
-          "--weight-decay", "0.01", "--clip-norm", "1.0", "--lr-scheduler", "polynomial_decay", "--num-workers", "0",
-          "--log-format", "simple", "--cpu"]
+COMMON = [
+    "--user-dir",
+    PLUGIN_DIR,
+    "--optimizer",
+    "adam",
+    "--adam-betas",
+    "(0.9,0.98)",
+    "--adam-eps",
+    "1e-6",
+    "--weight-decay",
+    "0.01",
+    "--clip-norm",
+    "1.0",
+    "--lr-scheduler",
+    "polynomial_decay",
+    "--num-workers",
+    "0",
+    "--log-format",
+    "simple",
+    "--cpu",
+]
 
 
 def pretrain(args, paths, name, model_flags, task_flags, out):
     s, updates = SIZES[args.size], args.budget
-    sh([sys.executable, "-m", "fairseq_cli.train", paths["data_bin"], *model_flags, *size_flags(args.size), *COMMON,
-        "--task", "masked_lm", "--criterion", "masked_lm", "--tokens-per-sample", s["n"],
-        "--sample-break-mode", "none", *task_flags, "--batch-size", s["batch"], "--seed", 1,
-        "--lr", args.lr, "--warmup-updates", max(1, updates // 10), "--total-num-update", updates,
-        "--max-update", updates, "--validate-interval-updates", max(1, updates // 8),
-        # --max-valid-steps stops validation early; with fairseq's prefetch thread on, the
-        # process then aborts at exit ("terminate called without an active exception")
-        "--batch-size-valid", 32, "--max-valid-steps", args.valid_batches, "--data-buffer-size", 0,
-        "--save-interval-updates", max(1, updates // 8), "--keep-interval-updates", 1,
-        "--no-epoch-checkpoints", "--log-interval", max(1, updates // 40), "--save-dir", out / "checkpoints"],
-       out / "pretrain.log", threads=args.threads)
+    sh(
+        [
+            sys.executable,
+            "-m",
+            "fairseq_cli.train",
+            paths["data_bin"],
+            *model_flags,
+            *size_flags(args.size),
+            *COMMON,
+            "--task",
+            "masked_lm",
+            "--criterion",
+            "masked_lm",
+            "--tokens-per-sample",
+            s["n"],
+            "--sample-break-mode",
+            "none",
+            *task_flags,
+            "--batch-size",
+            s["batch"],
+            "--seed",
+            1,
+            "--lr",
+            args.lr,
+            "--warmup-updates",
+            max(1, updates // 10),
+            "--total-num-update",
+            updates,
+            "--max-update",
+            updates,
+            "--validate-interval-updates",
+            max(1, updates // 8),
+            # --max-valid-steps stops validation early; with fairseq's prefetch thread on, the
+            # process then aborts at exit ("terminate called without an active exception")
+            "--batch-size-valid",
+            32,
+            "--max-valid-steps",
+            args.valid_batches,
+            "--data-buffer-size",
+            0,
+            "--save-interval-updates",
+            max(1, updates // 8),
+            "--keep-interval-updates",
+            1,
+            "--no-epoch-checkpoints",
+            "--log-interval",
+            max(1, updates // 40),
+            "--save-dir",
+            out / "checkpoints",
+        ],
+        out / "pretrain.log",
+        threads=args.threads,
+    )
 
 
 def finetune(args, paths, model_flags, out, seed):
     updates_per_epoch = math.ceil(args.sst2_train_rows / 32)
     total = updates_per_epoch * args.finetune_epochs
-    sh([sys.executable, "-m", "fairseq_cli.train", paths["sst2_bin"], *model_flags, *size_flags(args.size), *COMMON,
-        "--finetune-from-model", out / "checkpoints" / "checkpoint_last.pt", "--task", "sentence_prediction",
-        "--criterion", "sentence_prediction", "--num-classes", 2, "--init-token", 0, "--separator-token", 2,
-        "--shorten-method", "truncate", "--batch-size", 32, "--lr", args.finetune_lr,
-        "--warmup-updates", max(1, total // 16), "--total-num-update", total, "--max-epoch", args.finetune_epochs,
-        "--seed", seed, "--no-save", "--log-interval", max(1, updates_per_epoch // 2),
-        "--best-checkpoint-metric", "accuracy", "--maximize-best-checkpoint-metric"],
-       out / f"sst2-seed{seed}.log", threads=args.threads)
+    sh(
+        [
+            sys.executable,
+            "-m",
+            "fairseq_cli.train",
+            paths["sst2_bin"],
+            *model_flags,
+            *size_flags(args.size),
+            *COMMON,
+            "--finetune-from-model",
+            out / "checkpoints" / "checkpoint_last.pt",
+            "--task",
+            "sentence_prediction",
+            "--criterion",
+            "sentence_prediction",
+            "--num-classes",
+            2,
+            "--init-token",
+            0,
+            "--separator-token",
+            2,
+            "--shorten-method",
+            "truncate",
+            "--batch-size",
+            32,
+            "--lr",
+            args.finetune_lr,
+            "--warmup-updates",
+            max(1, total // 16),
+            "--total-num-update",
+            total,
+            "--max-epoch",
+            args.finetune_epochs,
+            "--seed",
+            seed,
+            "--no-save",
+            "--log-interval",
+            max(1, updates_per_epoch // 2),
+            "--best-checkpoint-metric",
+            "accuracy",
+            "--maximize-best-checkpoint-metric",
+        ],
+        out / f"sst2-seed{seed}.log",
+        threads=args.threads,
+    )
 
 
 def load(checkpoint, data_bin):
@@ -217,7 +404,8 @@ def load(checkpoint, data_bin):
 
     torch.manual_seed(0)
     models, _, task = checkpoint_utils.load_model_ensemble_and_task(
-        [str(checkpoint)], arg_overrides={"data": data_bin.split(":")[0]})
+        [str(checkpoint)], arg_overrides={"data": data_bin.split(":")[0]}
+    )
     return models[0].eval(), task
 
 
@@ -277,7 +465,7 @@ def do_run(args, paths, name, spec):
         pretrain(args, paths, name, model_flags, task_flags, out)
     if not (out / "short_inputs.json").exists():
         losses = short_input_losses(args, paths, out)
-        (out / "short_inputs.json").write_text(json.dumps(losses, indent=1))
+        write_text(out / "short_inputs.json", json.dumps(losses, indent=1))
     for seed in range(1, args.seeds + 1) if args.sst2_runs is None or name in args.sst2_runs else ():
         if not (out / f"sst2-seed{seed}.log").exists():
             log(f"{name}: SST-2 finetuning, seed {seed}")
@@ -288,16 +476,15 @@ def do_run(args, paths, name, spec):
 # ------------------------------------------------------------------------------- report
 
 
-def valid_curve(log_text):
+def valid_curve(log):
     """(updates, perplexity) of every validation; a resumed run may repeat one: keep the last."""
-    found = re.findall(r"valid on 'valid' subset \| .*?\| ppl ([\d.]+) .*?\| num_updates (\d+)", log_text)
-    return sorted({int(u): float(p) for p, u in found}.items())
+    return sorted(by_update(records(log, "valid"), "ppl").items())
 
 
-def dev_accuracy(log_text):
+def dev_accuracy(log):
     """Dev accuracy after the last epoch (no selection on dev)."""
-    found = re.findall(r"valid on 'valid' subset \| .*?\| accuracy ([\d.]+)", log_text)
-    return float(found[-1]) if found else None
+    found = records(log, "valid")
+    return found[-1]["accuracy"] if found else None
 
 
 def time_updates(args, paths, name, out, steps=6):
@@ -330,14 +517,21 @@ def report(args, specs):
         out = args.out / "runs" / name
         if not (out / "short_inputs.json").exists():
             continue
-        curve = valid_curve((out / "pretrain.log").read_text())
+        curve = valid_curve(out / "pretrain.log")
         curves[name] = curve
         short = {int(t): v for t, v in json.loads((out / "short_inputs.json").read_text()).items()}
-        accs = [a for a in (dev_accuracy(p.read_text()) for p in sorted(out.glob("sst2-seed*.log"))) if a is not None]
+        accs = [a for a in (dev_accuracy(p) for p in sorted(out.glob("sst2-seed*.log"))) if a is not None]
         timing = json.loads((out / "timing.json").read_text()) if (out / "timing.json").exists() else {}
-        rows.append(dict(name=name, flags=" ".join(map(str, specs[name][0] + specs[name][1])),
-                         ppl=curve[-1][1] if curve else None, short=short,
-                         sst2=accs, **timing))
+        rows.append(
+            dict(
+                name=name,
+                flags=" ".join(map(str, specs[name][0] + specs[name][1])),
+                ppl=curve[-1][1] if curve else None,
+                short=short,
+                sst2=accs,
+                **timing,
+            )
+        )
     if not rows:
         fail(f"no finished run under {args.out}/runs")
     base = next((r for r in rows if r["name"] == "roberta"), None)
@@ -346,25 +540,36 @@ def report(args, specs):
     def pct(a, b):
         return f"{100 * (a / b - 1):+.1f}%" if a and b else ""
 
-    lines = [f"Study: {args.size} models ({SIZES[args.size]}), {args.budget} pretraining updates, "
-             f"SST-2 on {args.sst2_train_rows} training rows, {args.finetune_epochs} epochs, seeds 1..{args.seeds}.", "",
-             "| run | valid ppl | vs RoBERTa | " + " | ".join(f"loss T={t}" for t in lengths)
-             + f" | T={lengths[0]} minus T={n} | SST-2 dev % (mean ± sd) | s/update | params |",
-             "| --- " * (6 + len(lengths)) + "|"]
+    lines = [
+        f"Study: {args.size} models ({SIZES[args.size]}), {args.budget} pretraining updates, "
+        f"SST-2 on {args.sst2_train_rows} training rows, {args.finetune_epochs} epochs, seeds 1..{args.seeds}.",
+        "",
+        "| run | valid ppl | vs RoBERTa | "
+        + " | ".join(f"loss T={t}" for t in lengths)
+        + f" | T={lengths[0]} minus T={n} | SST-2 dev % (mean ± sd) | s/update | params |",
+        "| --- " * (6 + len(lengths)) + "|",
+    ]
     for r in rows:
         acc = r["sst2"]
-        acc_txt = (f"{statistics.mean(acc):.1f} ± {statistics.stdev(acc) if len(acc) > 1 else 0:.1f}"
-                   f" ({', '.join(f'{a:.1f}' for a in acc)})") if acc else "-"
+        acc_txt = (
+            (
+                f"{statistics.mean(acc):.1f} ± {statistics.stdev(acc) if len(acc) > 1 else 0:.1f}"
+                f" ({', '.join(f'{a:.1f}' for a in acc)})"
+            )
+            if acc
+            else "-"
+        )
         lines.append(
             f"| {r['name']} | {r['ppl']:.1f} | {pct(r['ppl'], base and base['ppl'])} | "
             + " | ".join(f"{r['short'][t]:.3f}" for t in lengths)
             + f" | {r['short'][lengths[0]] - r['short'][n]:+.3f} | {acc_txt} | "
-            + (f"{r['seconds_per_update']:.3f} | {r['parameters']:,} |" if "parameters" in r else "- | - |"))
+            + (f"{r['seconds_per_update']:.3f} | {r['parameters']:,} |" if "parameters" in r else "- | - |")
+        )
     lines += ["", "Flags of each run (besides the shared size and recipe):", ""]
     lines += [f"- {r['name']}: `{r['flags']}`" for r in rows]
-    (args.out / "report.md").write_text("\n".join(lines) + "\n")
-    (args.out / "logs-summary.txt").write_text(log_summary(args.out, [r["name"] for r in rows]))
-    (args.out / "results.json").write_text(json.dumps({"rows": rows, "curves": curves}, indent=1))
+    write_text(args.out / "report.md", "\n".join(lines) + "\n")
+    write_text(args.out / "logs-summary.txt", log_summary(args.out, [r["name"] for r in rows]))
+    write_text(args.out / "results.json", json.dumps({"rows": rows, "curves": curves}, indent=1))
     plot(curves, args.out / "perplexity.png", f"validation perplexity ({args.size}, n={n})")
     print("\n".join(lines))
     log(f"wrote {args.out}/report.md, results.json, logs-summary.txt and perplexity.png")
@@ -408,32 +613,60 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     shared = REPO.parent / "shared" / "data"
     p.add_argument("--out", type=Path, default=REPO / "work" / "study", help="output folder (default: %(default)s)")
-    p.add_argument("--wikitext", type=Path, default=shared / "wikitext-2",
-                   help="folder with wiki.train.tokens and wiki.valid.tokens (default: %(default)s)")
-    p.add_argument("--books", type=Path, default=shared / "gutenberg",
-                   help="folder of plain-text books, one per *.txt (default: %(default)s)")
-    p.add_argument("--sst2", type=Path, default=shared / "glue" / "SST-2",
-                   help="folder with SST-2 train.tsv and dev.tsv (default: %(default)s)")
+    p.add_argument(
+        "--wikitext",
+        type=Path,
+        default=shared / "wikitext-2",
+        help="folder with wiki.train.tokens and wiki.valid.tokens (default: %(default)s)",
+    )
+    p.add_argument(
+        "--books",
+        type=Path,
+        default=shared / "gutenberg",
+        help="folder of plain-text books, one per *.txt (default: %(default)s)",
+    )
+    p.add_argument(
+        "--sst2",
+        type=Path,
+        default=shared / "glue" / "SST-2",
+        help="folder with SST-2 train.tsv and dev.tsv (default: %(default)s)",
+    )
     p.add_argument("--size", choices=SIZES, default="small", help="model size and n (default: %(default)s)")
     p.add_argument("--budget", type=int, default=2000, help="pretraining updates of every run (default: %(default)s)")
     p.add_argument("--lr", type=float, default=5e-4, help="pretraining peak learning rate (default: %(default)s)")
     p.add_argument("--vocab-size", type=int, default=8000, help="sentencepiece vocabulary (default: %(default)s)")
-    p.add_argument("--sst2-train-rows", type=int, default=4000,
-                   help="the fixed SST-2 training subset, drawn with seed 0 (default: %(default)s)")
+    p.add_argument(
+        "--sst2-train-rows",
+        type=int,
+        default=4000,
+        help="the fixed SST-2 training subset, drawn with seed 0 (default: %(default)s)",
+    )
     p.add_argument("--finetune-epochs", type=int, default=3, help="(default: %(default)s)")
     p.add_argument("--finetune-lr", type=float, default=3e-4, help="(default: %(default)s)")
     p.add_argument("--seeds", type=int, default=3, help="SST-2 finetuning seeds per run (default: %(default)s)")
-    p.add_argument("--eval-blocks", type=int, default=200,
-                   help="validation blocks of n tokens read by the short-input table (default: %(default)s)")
-    p.add_argument("--valid-batches", type=int, default=16,
-                   help="validation perplexity on the first N batches of 32 blocks (default: %(default)s)")
+    p.add_argument(
+        "--eval-blocks",
+        type=int,
+        default=200,
+        help="validation blocks of n tokens read by the short-input table (default: %(default)s)",
+    )
+    p.add_argument(
+        "--valid-batches",
+        type=int,
+        default=16,
+        help="validation perplexity on the first N batches of 32 blocks (default: %(default)s)",
+    )
     p.add_argument("--runs", nargs="+", metavar="NAME", help="only these runs (default: all; see --list)")
-    p.add_argument("--sst2-runs", nargs="+", metavar="NAME",
-                   help="finetune only these runs on SST-2 (default: all); the others get perplexity and "
-                        "the short-input table")
+    p.add_argument(
+        "--sst2-runs",
+        nargs="+",
+        metavar="NAME",
+        help="finetune only these runs on SST-2 (default: all); the others get perplexity and the short-input table",
+    )
     p.add_argument("--list", action="store_true", help="print the runs and their flags, then exit")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="runs trained at once, each on --threads threads (default: %(default)s)")
+    p.add_argument(
+        "--jobs", type=int, default=1, help="runs trained at once, each on --threads threads (default: %(default)s)"
+    )
     p.add_argument("--threads", type=int, default=0, help="threads per training process (0: torch's default)")
     p.add_argument("--report-only", action="store_true", help="only time the finished runs and write the report")
     args = p.parse_args()
@@ -453,8 +686,11 @@ def main():
         specs = {k: v for k, v in specs.items() if k in args.runs}
     args.out.mkdir(parents=True, exist_ok=True)
     args.out = args.out.resolve()
-    settings = {k: str(v) for k, v in vars(args).items()
-                if k not in ("runs", "sst2_runs", "jobs", "threads", "report_only", "list", "out")}
+    settings = {
+        k: str(v)
+        for k, v in vars(args).items()
+        if k not in ("runs", "sst2_runs", "jobs", "threads", "report_only", "list", "out")
+    }
     saved = args.out / "settings.json"
     if saved.exists() and json.loads(saved.read_text()) != settings:
         fail(f"{args.out} holds a study made with other settings ({saved}); use another --out")
@@ -469,7 +705,7 @@ def main():
         out = args.out / "runs" / name
         if (out / "short_inputs.json").exists() and not (out / "timing.json").exists():  # finished runs
             log(f"{name}: timing updates")
-            (out / "timing.json").write_text(json.dumps(time_updates(args, paths, name, out)))
+            write_text(out / "timing.json", json.dumps(time_updates(args, paths, name, out)))
     report(args, specs)
 
 

@@ -1,19 +1,49 @@
-"""Shared test fixtures. Everything here runs on the bundled sample (data/sample), never on
-../shared, so a fresh clone can run the tests."""
+"""What the tests share: running commands, tiny data-bins of the bundled sample (data/sample,
+never ../shared, so a fresh clone runs the tests), and the tiny model the launcher, distributed
+and Slurm tests train with the real configs. Test modules import the constants from here."""
+
+import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SAMPLE = REPO / "data" / "sample"
+from linformer_tools.common import REPO, SAMPLE
+
+SCRIPTS = REPO / "scripts"
+CONFIG = "linformer_n512_k128_kv"
+# hydra overrides that shrink a pretraining config to seconds per run on a CPU
+TINY = [
+    "model.encoder_layers=2",
+    "model.encoder_embed_dim=32",
+    "model.encoder_ffn_embed_dim=64",
+    "model.encoder_attention_heads=2",
+    "task.tokens_per_sample=32",
+    "model.compressed_dim=8",
+    "lr_scheduler.warmup_updates=4",
+    "common.log_interval=1",
+    "dataset.num_workers=0",
+]
+# one thread per run: the runs share two cores, and the distributed test runs three at once
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable)
+
+
+def load_script(name: str):
+    """scripts/NAME.py as a module, for the tests of its functions (scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run(cmd, cwd=None, timeout=600):
     """Run a command, failing the test with its output when it exits non-zero."""
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, (
+        f"{' '.join(map(str, cmd))} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    )
     return proc
 
 
@@ -23,9 +53,45 @@ def wikitext_bin(tmp_path_factory) -> Path:
     binarized word-level with a 5000-word dictionary (the rest maps to <unk>)."""
     out = tmp_path_factory.mktemp("wikitext_bin")
     wt = SAMPLE / "wikitext-2"
-    run([
-        sys.executable, "-m", "fairseq_cli.preprocess", "--only-source",
-        "--trainpref", wt / "wiki.train.tokens", "--validpref", wt / "wiki.valid.tokens",
-        "--destdir", out, "--nwordssrc", "5000", "--workers", "1",
-    ])
+    run(
+        [
+            sys.executable,
+            "-m",
+            "fairseq_cli.preprocess",
+            "--only-source",
+            "--trainpref",
+            wt / "wiki.train.tokens",
+            "--validpref",
+            wt / "wiki.valid.tokens",
+            "--destdir",
+            out,
+            "--nwordssrc",
+            "5000",
+            "--workers",
+            "1",
+        ]
+    )
     return out
+
+
+def build_sst2_bin(root: Path, wikitext_bin: Path) -> Path:
+    """The bundled SST-2 sample (320 train, 200 dev sentences) as a sentence_prediction
+    data-bin in ROOT, words mapped with the pretraining dictionary."""
+    from fairseq.data import Dictionary, indexed_dataset
+
+    words, labels = Dictionary.load(str(wikitext_bin / "dict.txt")), Dictionary()
+    for label in "01":
+        labels.add_symbol(label)
+    for split, name, rows in (("train", "train.tsv", 320), ("valid", "dev.tsv", 200)):
+        lines = (SAMPLE / "glue" / "SST-2" / name).read_text().splitlines()[1 : rows + 1]
+        columns = list(zip(*(line.rsplit("\t", 1) for line in lines)))
+        for folder, dictionary, texts in (("input0", words, columns[0]), ("label", labels, columns[1])):
+            (root / folder).mkdir(parents=True, exist_ok=True)
+            dictionary.save(str(root / folder / "dict.txt"))
+            out = indexed_dataset.make_builder(
+                str(root / folder / f"{split}.bin"), impl="mmap", vocab_size=len(dictionary)
+            )
+            for text in texts:
+                out.add_item(dictionary.encode_line(text, add_if_not_exist=False).long())
+            out.finalize(str(root / folder / f"{split}.idx"))
+    return root

@@ -1,10 +1,8 @@
 """Every yaml under configs/ composes with fairseq's hydra setup (as fairseq-hydra-train does)
 and builds its model, shrunk in depth and width; the model gets the config's n, k and sharing."""
+
 import ast
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,20 +14,22 @@ from omegaconf import OmegaConf
 
 import linformer_fairseq  # noqa: F401  (registers linformer_roberta)
 from linformer_fairseq.modules import LinformerMultiheadAttention
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-from launch_helper import compose  # noqa: E402  (the launchers' own composition)
+from linformer_tools.common import REPO
+from linformer_tools.launch import compose  # the launchers' own composition
 
 PRETRAINING, FINETUNING = REPO / "configs" / "pretraining", REPO / "configs" / "finetuning"
-SHRINK = ["++model.encoder_layers=2", "++model.encoder_embed_dim=16", "++model.encoder_ffn_embed_dim=32",
-          "++model.encoder_attention_heads=2"]
+SHRINK = [
+    "++model.encoder_layers=2",
+    "++model.encoder_embed_dim=16",
+    "++model.encoder_ffn_embed_dim=32",
+    "++model.encoder_attention_heads=2",
+]
 LAYERS, HEADS = 2, 2
 GLOBAL_BATCH = 2048  # RoBERTa-base's, see configs/pretraining/recipe.yaml
 
 
 def primaries(folder):
-    return sorted(p.stem for p in folder.glob("*.yaml") if p.stem != "recipe")
+    return sorted(p.stem for p in folder.glob("*.yaml") if p.stem not in ("recipe", "quickstart"))
 
 
 def resolved(folder, name, overrides=()):
@@ -78,7 +78,11 @@ def test_pretraining_config_builds_its_model(name, data):
     assert cfg.checkpoint.save_dir == f"checkpoints/{name}"
     # the paper's recipe, whatever the variant
     assert (cfg.task._name, cfg.criterion._name, cfg.optimizer._name) == ("masked_lm", "masked_lm", "adam")
-    assert (cfg.optimization.max_update, cfg.optimization.lr, cfg.lr_scheduler.warmup_updates) == (250000, [0.0005], 10000)
+    assert (cfg.optimization.max_update, cfg.optimization.lr, cfg.lr_scheduler.warmup_updates) == (
+        250000,
+        [0.0005],
+        10000,
+    )
     assert ast.literal_eval(cfg.optimizer.adam_betas) == (0.9, 0.98) and cfg.optimizer.adam_eps == 1e-6
     assert cfg.optimizer.weight_decay == 0.01 and cfg.model.dropout == 0.1 and cfg.common.fp16
     world = cfg.distributed_training.distributed_world_size
@@ -116,10 +120,16 @@ def test_finetuning_config_builds_its_model(name, data):
     classes = {"mnli": 3, "sts_b": 1}.get(name, 2)
     assert cfg.criterion.regression_target == (classes == 1)
     # fairseq's published per-task recipes are for one GPU; IMDB's is 8 x update_freq 4
-    assert cfg.dataset.batch_size * cfg.optimization.update_freq[0] == {"cola": 16, "mrpc": 16, "rte": 16, "sts_b": 16}.get(name, 32)
+    assert cfg.dataset.batch_size * cfg.optimization.update_freq[0] == {
+        "cola": 16,
+        "mrpc": 16,
+        "rte": 16,
+        "sts_b": 16,
+    }.get(name, 32)
     model = build(cfg)
-    assert all(isinstance(layer.self_attn, LinformerMultiheadAttention)
-               for layer in model.encoder.sentence_encoder.layers)
+    assert all(
+        isinstance(layer.self_attn, LinformerMultiheadAttention) for layer in model.encoder.sentence_encoder.layers
+    )
     head = model.classification_heads["sentence_classification_head"]
     assert head.out_proj.out_features == classes
 
@@ -131,15 +141,41 @@ def test_local_run_config_is_one_process(folder, data):
     assert cfg.distributed_training.distributed_world_size == 1 and cfg.common.log_interval == 1
 
 
-@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
-                    reason="needs hydra-submitit-launcher")
-@pytest.mark.parametrize("folder", [PRETRAINING, FINETUNING], ids=["pretraining", "finetuning"])
-def test_slurm_run_config_allocates_the_world_size(folder, data):
-    cfg = compose(folder, primaries(folder)[0], [f"task.data={data}", "+run_config=slurm"], return_hydra_config=True)
-    launcher, dist = cfg.hydra.launcher, cfg.distributed_training
-    assert launcher._target_.endswith("SlurmLauncher")
-    assert launcher.nodes * launcher.gpus_per_node == dist.distributed_world_size
-    assert launcher.tasks_per_node == launcher.gpus_per_node  # one process per GPU
-    if folder == PRETRAINING:  # the paper's 64 GPUs, and so its global batch
-        assert (launcher.nodes, launcher.gpus_per_node) == (8, 8)
-        assert cfg.dataset.batch_size * cfg.optimization.update_freq[0] * dist.distributed_world_size == GLOBAL_BATCH
+def test_quickstart_configs_build_the_small_models(data):
+    pretrain = resolved(PRETRAINING, "quickstart", [f"task.data={data}"])
+    model = build(pretrain)
+    attentions = [layer.self_attn for layer in model.encoder.sentence_encoder.layers]
+    assert len(attentions) == 2 and model.encoder.sentence_encoder.embed_positions.max_positions == 128
+    assert all(a.compress_k.kind == "mean" and a.compress_k.k == 32 for a in attentions)
+    baseline = build(resolved(PRETRAINING, "quickstart", [f"task.data={data}", "arch=roberta"]))
+    assert type(baseline.encoder.sentence_encoder.layers[0].self_attn) is MultiheadAttention
+    shapes = [{name: p.shape for name, p in m.named_parameters()} for m in (baseline, model)]
+    assert shapes[0] == shapes[1]  # mean pooling has no parameters
+    finetune = resolved(FINETUNING, "quickstart", [f"task.data={data}", "checkpoint.restore_file=x.pt"] + SHRINK)
+    assert finetune.checkpoint.best_checkpoint_metric == "accuracy" and finetune.dataset.batch_size == 32
+
+
+def test_hydra_name_of_the_large_architecture_builds_the_large_sizes(data):
+    """fairseq-hydra-train merges a model's config defaults before any architecture function
+    runs: `model._name: linformer_roberta_large` must still mean the large sizes."""
+    name = "linformer_n512_k128_kv"
+    cfg = resolved(
+        PRETRAINING,
+        name,
+        [
+            f"task.data={data}",
+            "model._name=linformer_roberta_large",
+            "~model.encoder_layers",
+            "~model.encoder_embed_dim",
+            "~model.encoder_ffn_embed_dim",
+            "~model.encoder_attention_heads",
+        ],
+    )
+    sizes = (
+        cfg.model.encoder_layers,
+        cfg.model.encoder_embed_dim,
+        cfg.model.encoder_ffn_embed_dim,
+        cfg.model.encoder_attention_heads,
+    )
+    assert sizes == (24, 1024, 4096, 16)
+    assert (cfg.model.compressed_dim, cfg.model.compress_sharing) == (128, "kv")

@@ -17,21 +17,18 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-DP = REPO / "data-prep"
-SAMPLE = REPO / "data" / "sample"
-sys.path.insert(0, str(DP))
+from dataprep import binarize, common, corpus, glue, imdb, spm
+from dataprep.common import PrepError
+from linformer_tools.common import REPO, SAMPLE
 
-from dataprep import binarize, common, corpus, glue, imdb, spm  # noqa: E402
-from dataprep.common import PrepError  # noqa: E402
+DP = REPO / "data-prep"
 
 ENV = {**os.environ, "PYTHON": sys.executable}
 
 
 def sh(script, *args, check=True):
     """Run a data-prep/*.sh entry point; return (exit code, stderr + stdout)."""
-    r = subprocess.run([str(DP / script), *map(str, args)], capture_output=True, text=True,
-                       env=ENV)
+    r = subprocess.run([str(DP / script), *map(str, args)], capture_output=True, text=True, env=ENV)
     if check and r.returncode != 0:
         raise AssertionError(f"{script} failed:\n{r.stderr}\n{r.stdout}")
     return r.returncode, r.stderr + r.stdout
@@ -50,6 +47,7 @@ def fairseq_dataset(prefix):
 
 # ---------------------------------------------------------------- the bundled sample, end to end
 
+
 @pytest.fixture(scope="module")
 def sample(tmp_path_factory):
     """corpus -> spm (vocab 1000) -> encode -> 2 shards, on data/sample, through the CLIs."""
@@ -62,17 +60,59 @@ def sample(tmp_path_factory):
 
 def _sample_steps(out):
     return {
-        "corpus": ("corpus.sh", "--out", out / "corpus", "--valid-docs", 4,
-                   "--wikitext", SAMPLE / "wikitext-2/wiki.train.tokens",
-                   SAMPLE / "wikitext-2/wiki.valid.tokens", "--books", SAMPLE / "books"),
-        "spm": ("spm.sh", "train", "--corpus", out / "corpus/train.txt",
-                "--out", out / "spm", "--vocab-size", 1000, "--workers", 2),
-        "encode": ("spm.sh", "encode", "--model", out / "spm/spm.model", "--workers", 2,
-                   "--inputs", out / "corpus/train.txt", out / "corpus/valid.txt",
-                   "--outputs", out / "train.spm", out / "valid.spm"),
-        "binarize": ("binarize.sh", "--train", out / "train.spm", "--valid",
-                     out / "valid.spm", "--srcdict", out / "spm/dict.txt",
-                     "--destdir", out / "data-bin", "--shards", 2, "--workers", 2),
+        "corpus": (
+            "corpus.sh",
+            "--out",
+            out / "corpus",
+            "--valid-docs",
+            4,
+            "--wikitext",
+            SAMPLE / "wikitext-2/wiki.train.tokens",
+            SAMPLE / "wikitext-2/wiki.valid.tokens",
+            "--books",
+            SAMPLE / "books",
+        ),
+        "spm": (
+            "spm.sh",
+            "train",
+            "--corpus",
+            out / "corpus/train.txt",
+            "--out",
+            out / "spm",
+            "--vocab-size",
+            1000,
+            "--workers",
+            2,
+        ),
+        "encode": (
+            "spm.sh",
+            "encode",
+            "--model",
+            out / "spm/spm.model",
+            "--workers",
+            2,
+            "--inputs",
+            out / "corpus/train.txt",
+            out / "corpus/valid.txt",
+            "--outputs",
+            out / "train.spm",
+            out / "valid.spm",
+        ),
+        "binarize": (
+            "binarize.sh",
+            "--train",
+            out / "train.spm",
+            "--valid",
+            out / "valid.spm",
+            "--srcdict",
+            out / "spm/dict.txt",
+            "--destdir",
+            out / "data-bin",
+            "--shards",
+            2,
+            "--workers",
+            2,
+        ),
     }
 
 
@@ -142,8 +182,7 @@ def test_shards_hold_round_robin_documents_and_share_valid(sample):
         # one sentence per line plus one empty sentence (just </s>) per document boundary
         assert len(data) == sum(len(doc) + 1 for doc in mine)
         assert data.sizes.sum() == sum(len(l.split()) + 1 for doc in mine for l in doc) + len(mine)
-        assert d.string(data[0]) == " ".join(p if p in d.indices else "<unk>"
-                                             for p in mine[0][0].split())
+        assert d.string(data[0]) == " ".join(p if p in d.indices else "<unk>" for p in mine[0][0].split())
         assert data.sizes[len(mine[0])] == 1  # the boundary after the first document
     d, valid = fairseq_dataset(shards[1] / "valid")
     valid_lines = (out / "valid.spm").read_text().splitlines()
@@ -173,27 +212,43 @@ WIKITEXT = """
  = Beta = 
  
  Beta has one paragraph that is long enough to be kept in the output . 
-"""
+"""  # noqa: W291, W293  (WikiText's own spacing)
 
 
 def test_corpus_exact_counts_dedup_and_split(tmp_path):
     books = tmp_path / "books"
     books.mkdir()
     (books / "a.txt").write_text(BOOK_A)
-    (books / "b.txt").write_text("\n\n".join(f"Paragraph {i} of book B, which is long enough to stay."
-                                             for i in range(3)))
+    (books / "b.txt").write_text(
+        "\n\n".join(f"Paragraph {i} of book B, which is long enough to stay." for i in range(3))
+    )
     (books / "c.txt").write_text(BOOK_A)  # an exact duplicate of a.txt
     (books / "d.txt").write_text("Tiny.\n\nAlso tiny.\n")  # nothing left: an empty document
     (tmp_path / "wiki.tokens").write_text(WIKITEXT)
-    _, log = sh("corpus.sh", "--out", tmp_path / "out", "--wikitext", tmp_path / "wiki.tokens",
-                "--books", books, "--valid-docs", 1, "--seed", 3)
+    _, log = sh(
+        "corpus.sh",
+        "--out",
+        tmp_path / "out",
+        "--wikitext",
+        tmp_path / "wiki.tokens",
+        "--books",
+        books,
+        "--valid-docs",
+        1,
+        "--seed",
+        3,
+    )
     expected = [
-        ["Alpha is a word with a long enough sentence , well-known since 1,000 years .",
-         "The history of alpha is long enough to stay , said unk in the corpus ."],
+        [
+            "Alpha is a word with a long enough sentence , well-known since 1,000 years .",
+            "The history of alpha is long enough to stay , said unk in the corpus .",
+        ],
         ["Beta has one paragraph that is long enough to be kept in the output ."],
-        ["First paragraph of book A, long enough to be kept by the filter, and it goes on "
-         "over a second physical line.",
-         "Second long paragraph of book A, also comfortably over forty characters."],
+        [
+            "First paragraph of book A, long enough to be kept by the filter, and it goes on "
+            "over a second physical line.",
+            "Second long paragraph of book A, also comfortably over forty characters.",
+        ],
         [f"Paragraph {i} of book B, which is long enough to stay." for i in range(3)],
     ]
     stats = json.loads((tmp_path / "out/stats.json").read_text())
@@ -204,29 +259,39 @@ def test_corpus_exact_counts_dedup_and_split(tmp_path):
     assert len(valid) == 1 and len(train) == 3
     assert sorted(train + valid) == sorted(expected)
     assert stats["train"]["lines"] + stats["valid"]["lines"] == 8
-    assert stats["train"]["words"] + stats["valid"]["words"] == sum(
-        len(l.split()) for d in expected for l in d)
+    assert stats["train"]["words"] + stats["valid"]["words"] == sum(len(l.split()) for d in expected for l in d)
     text = (tmp_path / "out/train.txt").read_text()
     assert text.endswith("\n\n") and "\n\n\n" not in text  # one blank line after each document
     # the same seed gives the same split
-    sh("corpus.sh", "--out", tmp_path / "again", "--wikitext", tmp_path / "wiki.tokens",
-       "--books", books, "--valid-docs", 1, "--seed", 3)
+    sh(
+        "corpus.sh",
+        "--out",
+        tmp_path / "again",
+        "--wikitext",
+        tmp_path / "wiki.tokens",
+        "--books",
+        books,
+        "--valid-docs",
+        1,
+        "--seed",
+        3,
+    )
     assert (tmp_path / "again/valid.txt").read_text() == (tmp_path / "out/valid.txt").read_text()
 
 
 def test_split_sentences_after_the_paragraph_filter(tmp_path):
     books = tmp_path / "books"
     books.mkdir()
-    (books / "a.txt").write_text('Mr. Smith went home. He slept!\nDid he? "Yes." J. R. R. Tolkien '
-                                 "wrote it in 1937.\n\nTiny. Paragraph.\n")
+    (books / "a.txt").write_text(
+        'Mr. Smith went home. He slept!\nDid he? "Yes." J. R. R. Tolkien wrote it in 1937.\n\nTiny. Paragraph.\n'
+    )
     (books / "b.txt").write_text("Another book, with one long enough paragraph. And a 2nd one.\n")
-    sh("corpus.sh", "--out", tmp_path / "out", "--books", books, "--split-sentences",
-       "--valid-docs", 1)
+    sh("corpus.sh", "--out", tmp_path / "out", "--books", books, "--split-sentences", "--valid-docs", 1)
     docs = documents(tmp_path / "out/train.txt") + documents(tmp_path / "out/valid.txt")
     assert sorted(docs) == [
         ["Another book, with one long enough paragraph.", "And a 2nd one."],
-        ["Mr. Smith went home.", "He slept!", "Did he?", '"Yes."',
-         "J. R. R. Tolkien wrote it in 1937."]]
+        ["Mr. Smith went home.", "He slept!", "Did he?", '"Yes."', "J. R. R. Tolkien wrote it in 1937."],
+    ]
 
 
 MEDIAWIKI = """<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/" version="0.10" xml:lang="en">
@@ -266,29 +331,33 @@ ANARCHISM = """{{Short description|Political philosophy}}
 The history of anarchism goes back to prehistory, when humans lived in societies without formal hierarchies.
 
 Short line.
-"""
-ALGEBRA = "'''Algebra''' is the study of [[variable (mathematics)|variables]] and the rules for manipulating these variables in formulas."
+"""  # noqa: E501  (a Wikipedia paragraph is one long line)
+ALGEBRA = (
+    "'''Algebra''' is the study of [[variable (mathematics)|variables]] and the rules for manipulating "
+    "these variables in formulas."
+)
 
 
 def test_wikipedia_dump_extraction(tmp_path):
-    pages = [PAGE.format(title="Anarchism", ns=0, id=12, text=ANARCHISM),
-             PAGE.format(title="AccessibleComputing", ns=0, id=10,
-                         text="#REDIRECT [[Computer accessibility]]"),
-             PAGE.format(title="Algebra", ns=0, id=13, text=ALGEBRA),
-             PAGE.format(title="Anarchism copy", ns=0, id=14, text=ANARCHISM),
-             PAGE.format(title="Talk:Algebra", ns=1, id=15, text="A talk page that is long "
-                                                                  "enough but not an article.")]
+    pages = [
+        PAGE.format(title="Anarchism", ns=0, id=12, text=ANARCHISM),
+        PAGE.format(title="AccessibleComputing", ns=0, id=10, text="#REDIRECT [[Computer accessibility]]"),
+        PAGE.format(title="Algebra", ns=0, id=13, text=ALGEBRA),
+        PAGE.format(title="Anarchism copy", ns=0, id=14, text=ANARCHISM),
+        PAGE.format(title="Talk:Algebra", ns=1, id=15, text="A talk page that is long enough but not an article."),
+    ]
     dump = tmp_path / "enwiki-test-pages-articles.xml.bz2"
     dump.write_bytes(bz2.compress(MEDIAWIKI.replace("{pages}", "\n".join(pages)).encode()))
     _, log = sh("corpus.sh", "--wiki-dump", dump, "--out", tmp_path / "corpus", "--valid-docs", 1)
     docs = documents(tmp_path / "corpus/train.txt") + documents(tmp_path / "corpus/valid.txt")
     assert sorted(docs) == [
-        ["Algebra is the study of variables and the rules for manipulating these variables "
-         "in formulas."],
-        ["Anarchism is a political philosophy and movement that is skeptical of all "
-         "justifications for authority.",
-         "The history of anarchism goes back to prehistory, when humans lived in societies "
-         "without formal hierarchies."]]
+        ["Algebra is the study of variables and the rules for manipulating these variables in formulas."],
+        [
+            "Anarchism is a political philosophy and movement that is skeptical of all justifications for authority.",
+            "The history of anarchism goes back to prehistory, when humans lived in societies "
+            "without formal hierarchies.",
+        ],
+    ]
     stats = json.loads((tmp_path / "corpus/stats.json").read_text())
     assert stats["duplicates"] == 1 and stats["by_source"] == {"wikipedia": 2}
     assert (tmp_path / "corpus.work/wiki-extracted").is_dir()  # kept for a re-run
@@ -296,43 +365,92 @@ def test_wikipedia_dump_extraction(tmp_path):
 
 # ---------------------------------------------------------------- GLUE
 
+
 def _tsv(path, header, rows, bom=False, final_newline=True):
-    lines = ([("\ufeff" if bom else "") + "\t".join(header)] if header else []) + \
-        ["\t".join(r) for r in rows]
+    lines = ([("\ufeff" if bom else "") + "\t".join(header)] if header else []) + ["\t".join(r) for r in rows]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + ("\n" if final_newline else ""))
 
 
-MNLI_COLS = ["index", "promptID", "pairID", "genre", "sentence1_binary_parse",
-             "sentence2_binary_parse", "sentence1_parse", "sentence2_parse", "sentence1", "sentence2"]
+MNLI_COLS = [
+    "index",
+    "promptID",
+    "pairID",
+    "genre",
+    "sentence1_binary_parse",
+    "sentence2_binary_parse",
+    "sentence1_parse",
+    "sentence2_parse",
+    "sentence1",
+    "sentence2",
+]
 # task: (train/dev columns or None for CoLA's headerless files, test columns, labels,
 #        {file: fairseq split}); the columns are those of the real GLUE files.
 LAYOUTS = {
     "CoLA": (None, ["index", "sentence"], ["0", "1"], {}),
     "SST-2": (["sentence", "label"], ["index", "sentence"], ["0", "1"], {}),
-    "MRPC": (["Quality", "#1 ID", "#2 ID", "#1 String", "#2 String"],
-             ["index", "#1 ID", "#2 ID", "#1 String", "#2 String"], ["0", "1"], {}),
-    "QQP": (["id", "qid1", "qid2", "question1", "question2", "is_duplicate"],
-            ["id", "question1", "question2"], ["0", "1"], {}),
-    "STS-B": (["index", "genre", "filename", "year", "old_index", "source1", "source2",
-               "sentence1", "sentence2", "score"],
-              ["index", "genre", "filename", "year", "old_index", "source1", "source2",
-               "sentence1", "sentence2"], ["0.000", "3.800", "5.000", "2.5"], {}),
-    "MNLI": (MNLI_COLS + ["label1", "gold_label"], MNLI_COLS,
-             ["neutral", "entailment", "contradiction"],
-             {"train.tsv": "train", "dev_matched.tsv": "valid", "dev_mismatched.tsv": "valid1",
-              "test_matched.tsv": "test", "test_mismatched.tsv": "test1"}),
-    "QNLI": (["index", "question", "sentence", "label"], ["index", "question", "sentence"],
-             ["entailment", "not_entailment"], {}),
-    "RTE": (["index", "sentence1", "sentence2", "label"], ["index", "sentence1", "sentence2"],
-            ["not_entailment", "entailment"], {}),
+    "MRPC": (
+        ["Quality", "#1 ID", "#2 ID", "#1 String", "#2 String"],
+        ["index", "#1 ID", "#2 ID", "#1 String", "#2 String"],
+        ["0", "1"],
+        {},
+    ),
+    "QQP": (
+        ["id", "qid1", "qid2", "question1", "question2", "is_duplicate"],
+        ["id", "question1", "question2"],
+        ["0", "1"],
+        {},
+    ),
+    "STS-B": (
+        ["index", "genre", "filename", "year", "old_index", "source1", "source2", "sentence1", "sentence2", "score"],
+        ["index", "genre", "filename", "year", "old_index", "source1", "source2", "sentence1", "sentence2"],
+        ["0.000", "3.800", "5.000", "2.5"],
+        {},
+    ),
+    "MNLI": (
+        MNLI_COLS + ["label1", "gold_label"],
+        MNLI_COLS,
+        ["neutral", "entailment", "contradiction"],
+        {
+            "train.tsv": "train",
+            "dev_matched.tsv": "valid",
+            "dev_mismatched.tsv": "valid1",
+            "test_matched.tsv": "test",
+            "test_mismatched.tsv": "test1",
+        },
+    ),
+    "QNLI": (
+        ["index", "question", "sentence", "label"],
+        ["index", "question", "sentence"],
+        ["entailment", "not_entailment"],
+        {},
+    ),
+    "RTE": (
+        ["index", "sentence1", "sentence2", "label"],
+        ["index", "sentence1", "sentence2"],
+        ["not_entailment", "entailment"],
+        {},
+    ),
 }
-INPUTS = {"CoLA": ["sentence"], "SST-2": ["sentence"], "MRPC": ["#1 String", "#2 String"],
-          "QQP": ["question1", "question2"], "STS-B": ["sentence1", "sentence2"],
-          "MNLI": ["sentence1", "sentence2"], "QNLI": ["question", "sentence"],
-          "RTE": ["sentence1", "sentence2"]}
-LABEL = {"SST-2": "label", "MRPC": "Quality", "QQP": "is_duplicate", "STS-B": "score",
-         "MNLI": "gold_label", "QNLI": "label", "RTE": "label"}
+INPUTS = {
+    "CoLA": ["sentence"],
+    "SST-2": ["sentence"],
+    "MRPC": ["#1 String", "#2 String"],
+    "QQP": ["question1", "question2"],
+    "STS-B": ["sentence1", "sentence2"],
+    "MNLI": ["sentence1", "sentence2"],
+    "QNLI": ["question", "sentence"],
+    "RTE": ["sentence1", "sentence2"],
+}
+LABEL = {
+    "SST-2": "label",
+    "MRPC": "Quality",
+    "QQP": "is_duplicate",
+    "STS-B": "score",
+    "MNLI": "gold_label",
+    "QNLI": "label",
+    "RTE": "label",
+}
 
 
 def make_glue_task(root, task, rows=5):
@@ -353,8 +471,10 @@ def make_glue_task(root, task, rows=5):
             values = dict(zip(INPUTS[task], texts))
             if labelled:
                 values[LABEL[task]] = row_labels
-            rows_ = [[values[c][i] + (" " if c == "sentence" else "") if c in values else f"x{i}"
-                      for c in cols] for i in range(n)]
+            rows_ = [
+                [values[c][i] + (" " if c == "sentence" else "") if c in values else f"x{i}" for c in cols]
+                for i in range(n)
+            ]
             if task == "QQP" and split == "train":
                 rows_.insert(2, ["1", "2", "3", "a question with no pair and no label"])
             _tsv(root / task / file, cols, rows_, bom=task == "MRPC" and labelled)
@@ -385,9 +505,16 @@ def test_glue_qqp_skips_malformed_rows_and_keeps_cr_inside_a_field(tmp_path):
 def _sentence_prediction(data, num_classes, regression=False):
     from fairseq.tasks.sentence_prediction import SentencePredictionConfig, SentencePredictionTask
 
-    cfg = SentencePredictionConfig(data=str(data), num_classes=num_classes, init_token=0,
-                                   separator_token=2, no_shuffle=True, seed=1,
-                                   regression_target=regression, classification_head_name="x")
+    cfg = SentencePredictionConfig(
+        data=str(data),
+        num_classes=num_classes,
+        init_token=0,
+        separator_token=2,
+        no_shuffle=True,
+        seed=1,
+        regression_target=regression,
+        classification_head_name="x",
+    )
     return SentencePredictionTask.setup_task(cfg)
 
 
@@ -395,9 +522,22 @@ def test_glue_binarized_as_sentence_prediction_expects(sample, tmp_path):
     out, _ = sample
     glue_dir = tmp_path / "glue_data"
     expected = {t: make_glue_task(glue_dir, t) for t in ("MNLI", "STS-B")}
-    sh("glue.sh", "--glue-dir", glue_dir, "--tasks", "MNLI", "STS-B",
-       "--spm-model", out / "spm/spm.model", "--srcdict", out / "spm/dict.txt",
-       "--destdir", tmp_path / "bin", "--workers", 1)
+    sh(
+        "glue.sh",
+        "--glue-dir",
+        glue_dir,
+        "--tasks",
+        "MNLI",
+        "STS-B",
+        "--spm-model",
+        out / "spm/spm.model",
+        "--srcdict",
+        out / "spm/dict.txt",
+        "--destdir",
+        tmp_path / "bin",
+        "--workers",
+        1,
+    )
     mnli = tmp_path / "bin/MNLI-bin"
     meta = json.loads((mnli / "meta.json").read_text())
     assert meta["classes"] == ["contradiction", "entailment", "neutral"]
@@ -412,7 +552,8 @@ def test_glue_binarized_as_sentence_prediction_expects(sample, tmp_path):
     stsb = _sentence_prediction(tmp_path / "bin/STS-B-bin", 1, regression=True)
     data = stsb.load_dataset("valid")
     assert [data[i]["target"][0] for i in range(len(data))] == pytest.approx(
-        [float(v) for v in expected["STS-B"]["valid"][1]])
+        [float(v) for v in expected["STS-B"]["valid"][1]]
+    )
     assert json.loads((tmp_path / "bin/STS-B-bin/meta.json").read_text())["regression_target"]
 
 
@@ -435,20 +576,22 @@ def test_mrpc_built_from_senteval_files(tmp_path):
 
 # ---------------------------------------------------------------- IMDB
 
+
 def make_imdb_tarball(path, per_class=3):
     """A tiny aclImdb_v1.tar.gz: train/test pos/neg reviews, plus unsup and README to skip."""
     with tarfile.open(path, "w:gz") as tar:
+
         def add(name, text):
             data = text.encode()
             info = tarfile.TarInfo(f"aclImdb/{name}")
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
+
         add("README", "Large Movie Review Dataset v1.0")
         for split in ("train", "test"):
             for label, stars in (("pos", 9), ("neg", 2)):
                 for i in range(per_class):
-                    add(f"{split}/{label}/{i}_{stars}.txt",
-                        f"{split} {label} review {i}.<br /><br />Second  line.")
+                    add(f"{split}/{label}/{i}_{stars}.txt", f"{split} {label} review {i}.<br /><br />Second  line.")
         add("train/unsup/0_0.txt", "an unlabelled review")
 
 
@@ -456,15 +599,28 @@ def test_imdb_reviews_and_fixed_valid_split(sample, tmp_path):
     out, _ = sample
     make_imdb_tarball(tmp_path / "aclImdb_v1.tar.gz")
     reviews = imdb.read_reviews(tmp_path / "aclImdb_v1.tar.gz")
-    assert reviews["test"] == [("neg", f"test neg review {i}. Second line.") for i in range(3)] + \
-        [("pos", f"test pos review {i}. Second line.") for i in range(3)]
+    assert reviews["test"] == [("neg", f"test neg review {i}. Second line.") for i in range(3)] + [
+        ("pos", f"test pos review {i}. Second line.") for i in range(3)
+    ]
     splits = imdb.imdb_splits(reviews, valid_size=2, seed=1)
     assert [(s.name, len(s.labels)) for s in splits] == [("train", 4), ("valid", 2), ("test", 6)]
     assert sorted(splits[0].inputs[0] + splits[1].inputs[0]) == sorted(t for _, t in reviews["train"])
     assert imdb.imdb_splits(reviews, 2, seed=1)[1].inputs == splits[1].inputs  # fixed
-    sh("imdb.sh", "--tarball", tmp_path / "aclImdb_v1.tar.gz", "--valid-size", 2,
-       "--spm-model", out / "spm/spm.model", "--srcdict", out / "spm/dict.txt",
-       "--destdir", tmp_path, "--workers", 1)
+    sh(
+        "imdb.sh",
+        "--tarball",
+        tmp_path / "aclImdb_v1.tar.gz",
+        "--valid-size",
+        2,
+        "--spm-model",
+        out / "spm/spm.model",
+        "--srcdict",
+        out / "spm/dict.txt",
+        "--destdir",
+        tmp_path,
+        "--workers",
+        1,
+    )
     meta = json.loads((tmp_path / "IMDB-bin/meta.json").read_text())
     assert meta["rows"] == {"train": 4, "valid": 2, "test": 6} and meta["classes"] == ["neg", "pos"]
     d, labels = fairseq_dataset(tmp_path / "IMDB-bin/label/valid")
@@ -472,6 +628,7 @@ def test_imdb_reviews_and_fixed_valid_split(sample, tmp_path):
 
 
 # ---------------------------------------------------------------- idempotence and atomicity
+
 
 def _mtimes(folder):
     return {p: p.stat().st_mtime_ns for p in Path(folder).rglob("*")}
@@ -488,11 +645,25 @@ def test_second_run_does_no_work(sample):
 
 def test_killed_step_leaves_no_finished_output(sample, tmp_path):
     out, _ = sample
-    args = ["--train", out / "train.spm", "--valid", out / "valid.spm",
-            "--srcdict", out / "spm/dict.txt", "--destdir", tmp_path / "bin", "--shards", 2]
-    proc = subprocess.Popen([str(DP / "binarize.sh"), *map(str, args)], env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    args = [
+        "--train",
+        out / "train.spm",
+        "--valid",
+        out / "valid.spm",
+        "--srcdict",
+        out / "spm/dict.txt",
+        "--destdir",
+        tmp_path / "bin",
+        "--shards",
+        2,
+    ]
+    proc = subprocess.Popen(
+        [str(DP / "binarize.sh"), *map(str, args)],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.time() + 60
     while not (tmp_path / "bin/.shard-text/shard1.txt").exists() and time.time() < deadline:
         time.sleep(0.05)
@@ -504,8 +675,7 @@ def test_killed_step_leaves_no_finished_output(sample, tmp_path):
     sh("binarize.sh", *args)
     for k in range(2):
         for f in ("train.bin", "train.idx", "valid.bin"):
-            assert (tmp_path / f"bin/shard{k}/{f}").read_bytes() == \
-                (out / f"data-bin/shard{k}/{f}").read_bytes()
+            assert (tmp_path / f"bin/shard{k}/{f}").read_bytes() == (out / f"data-bin/shard{k}/{f}").read_bytes()
     assert sorted(p.name for p in (tmp_path / "bin").iterdir()) == ["shard0", "shard1"]
 
 
@@ -529,22 +699,30 @@ def test_interrupted_step_leaves_nothing_under_the_final_name(sample, tmp_path, 
 
 # ---------------------------------------------------------------- bad input
 
+
 def test_missing_file_is_named(tmp_path):
-    code, log = sh("spm.sh", "encode", "--model", tmp_path / "none.model", "--inputs", "x",
-                   "--outputs", tmp_path / "y", check=False)
-    assert code == 1 and f"error: {tmp_path / 'none.model'}: sentencepiece model not found" in log
-    code, log = sh("corpus.sh", "--out", tmp_path / "c", "--wikitext", tmp_path / "no.tokens",
-                   check=False)
-    assert code == 1 and f"error: {tmp_path / 'no.tokens'}: input file not found" in log
+    code, log = sh(
+        "spm.sh",
+        "encode",
+        "--model",
+        tmp_path / "none.model",
+        "--inputs",
+        "x",
+        "--outputs",
+        tmp_path / "y",
+        check=False,
+    )
+    assert code == 2 and f"error: {tmp_path / 'none.model'}: sentencepiece model not found" in log
+    code, log = sh("corpus.sh", "--out", tmp_path / "c", "--wikitext", tmp_path / "no.tokens", check=False)
+    assert code == 2 and f"error: {tmp_path / 'no.tokens'}: input file not found" in log
     assert not (tmp_path / "c").exists()
 
 
 def test_empty_corpus_is_named(tmp_path):
     (tmp_path / "books").mkdir()
     (tmp_path / "books/short.txt").write_text("Too short.\n\nAlso short.\n")
-    code, log = sh("corpus.sh", "--out", tmp_path / "c", "--books", tmp_path / "books",
-                   check=False)
-    assert code == 1 and f"error: {tmp_path / 'books'}: empty corpus" in log
+    code, log = sh("corpus.sh", "--out", tmp_path / "c", "--books", tmp_path / "books", check=False)
+    assert code == 2 and f"error: {tmp_path / 'books'}: empty corpus" in log
     (tmp_path / "empty.txt").write_text("\n\n")
     with pytest.raises(PrepError, match=f"{tmp_path / 'empty.txt'}: empty corpus"):
         spm.train(tmp_path / "empty.txt", tmp_path / "spm", 100, 0, "unigram", 1)
@@ -554,23 +732,36 @@ def test_empty_corpus_is_named(tmp_path):
 def test_bad_utf8_names_file_and_line(tmp_path):
     (tmp_path / "books").mkdir()
     (tmp_path / "books/bad.txt").write_bytes(b"A fine first line of the book, long enough.\n\xff\xfe\n")
-    code, log = sh("corpus.sh", "--out", tmp_path / "c", "--books", tmp_path / "books",
-                   check=False)
-    assert code == 1 and f"{tmp_path / 'books/bad.txt'}:2: not valid UTF-8" in log
+    code, log = sh("corpus.sh", "--out", tmp_path / "c", "--books", tmp_path / "books", check=False)
+    assert code == 2 and f"{tmp_path / 'books/bad.txt'}:2: not valid UTF-8" in log
 
 
-@pytest.mark.parametrize("task,edit,message", [
-    ("SST-2", lambda t: t.replace("SST-2 train sentence 1 . \t", "SST-2 train sentence 1 . "),
-     "train.tsv:3: expected 2 tab-separated fields, found 1"),
-    ("RTE", lambda t: t.replace("sentence2", "hypothesis", 1),
-     "dev.tsv:1: no column 'sentence2' in the header"),
-    ("SST-2", lambda t: t.replace("\t1\n", "\tpositive\n", 1),
-     "train.tsv:3: label 'positive' (column 'label') is not one of 0, 1"),
-    ("CoLA", lambda t: t.replace("gj04\t1\t\t", "gj04\t\t1\t", 1),
-     "train.tsv:2: label '' (column 'label') is not one of 0, 1"),
-    ("STS-B", lambda t: t.replace("\t3.800\n", "\t7\n", 1),
-     "train.tsv:3: score '7' (column 'score') is not a number in [0, 5]"),
-])
+@pytest.mark.parametrize(
+    "task,edit,message",
+    [
+        (
+            "SST-2",
+            lambda t: t.replace("SST-2 train sentence 1 . \t", "SST-2 train sentence 1 . "),
+            "train.tsv:3: expected 2 tab-separated fields, found 1",
+        ),
+        ("RTE", lambda t: t.replace("sentence2", "hypothesis", 1), "dev.tsv:1: no column 'sentence2' in the header"),
+        (
+            "SST-2",
+            lambda t: t.replace("\t1\n", "\tpositive\n", 1),
+            "train.tsv:3: label 'positive' (column 'label') is not one of 0, 1",
+        ),
+        (
+            "CoLA",
+            lambda t: t.replace("gj04\t1\t\t", "gj04\t\t1\t", 1),
+            "train.tsv:2: label '' (column 'label') is not one of 0, 1",
+        ),
+        (
+            "STS-B",
+            lambda t: t.replace("\t3.800\n", "\t7\n", 1),
+            "train.tsv:3: score '7' (column 'score') is not a number in [0, 5]",
+        ),
+    ],
+)
 def test_glue_bad_rows_are_named(tmp_path, task, edit, message):
     make_glue_task(tmp_path, task)
     file = "dev.tsv" if "dev.tsv" in message else "train.tsv"
@@ -603,8 +794,9 @@ def test_too_many_shards(sample, tmp_path):
     out, _ = sample
     (tmp_path / "two.txt").write_text("a b\n\nc d\n\n")
     with pytest.raises(PrepError, match="2 documents cannot fill 3 shards"):
-        binarize.binarize(tmp_path / "two.txt", tmp_path / "two.txt", out / "spm/dict.txt",
-                          tmp_path / "bin", 3, 1, max_unk_rate=1)
+        binarize.binarize(
+            tmp_path / "two.txt", tmp_path / "two.txt", out / "spm/dict.txt", tmp_path / "bin", 3, 1, max_unk_rate=1
+        )
 
 
 @pytest.mark.parametrize("script", ["corpus.sh", "spm.sh", "binarize.sh", "glue.sh", "imdb.sh"])
@@ -621,6 +813,7 @@ PAYLOAD = bytes(range(256)) * 400
 class Server(BaseHTTPRequestHandler):
     """Serves `files` on 127.0.0.1, honouring Range requests if `honour_range` (but never
     If-Range, like the worst servers), with the ETag of `etags`; `cut` bytes, then hangs up."""
+
     files, honour_range, ranges, etags, cut = {}, True, [], {}, None
 
     def do_GET(self):
@@ -640,7 +833,7 @@ class Server(BaseHTTPRequestHandler):
         if self.path in self.etags:
             self.send_header("ETag", self.etags[self.path])
         self.end_headers()
-        self.wfile.write(data[start:self.cut])
+        self.wfile.write(data[start : self.cut])
         self.close_connection = True
 
     def log_message(self, *args):
@@ -660,8 +853,11 @@ def server():
 def test_download_resumes_with_range(tmp_path, server, honour_range):
     Server.files, Server.honour_range = {"/data.bin": PAYLOAD}, honour_range
     (tmp_path / "data.bin.part").write_bytes(PAYLOAD[:1000])  # an interrupted download
-    (tmp_path / "data.bin.part.json").write_text(json.dumps(  # and what the server offered
-        {"url": server + "data.bin", "etag": None, "last_modified": None, "length": len(PAYLOAD)}))
+    (tmp_path / "data.bin.part.json").write_text(
+        json.dumps(  # and what the server offered
+            {"url": server + "data.bin", "etag": None, "last_modified": None, "length": len(PAYLOAD)}
+        )
+    )
     assert common.download(server + "data.bin", tmp_path / "data.bin") == tmp_path / "data.bin"
     assert (tmp_path / "data.bin").read_bytes() == PAYLOAD
     assert Server.ranges == ["bytes=1000-"]
@@ -684,13 +880,22 @@ def test_glue_download_unpacks_zips_and_builds_mrpc(tmp_path, server, monkeypatc
             z.write(tmp_path / "src/SST-2" / f, f"SST-2/{f}")
     header = "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
     rows = "".join(f"{i % 2}\t{i}\t{i + 50}\tone {i} .\ttwo {i} .\n" for i in range(4))
-    Server.files = {"/SST-2.zip": archive.getvalue(),
-                    "/train.txt": (header + rows).encode(), "/test.txt": (header + rows).encode(),
-                    "/ids.tsv": b"1\t51\n"}
+    Server.files = {
+        "/SST-2.zip": archive.getvalue(),
+        "/train.txt": (header + rows).encode(),
+        "/test.txt": (header + rows).encode(),
+        "/ids.tsv": b"1\t51\n",
+    }
     monkeypatch.setattr(glue, "GLUE_URL", server)
-    monkeypatch.setattr(glue, "MRPC_FILES", {"msr_paraphrase_train.txt": server + "train.txt",
-                                             "msr_paraphrase_test.txt": server + "test.txt",
-                                             "dev_ids.tsv": server + "ids.tsv"})
+    monkeypatch.setattr(
+        glue,
+        "MRPC_FILES",
+        {
+            "msr_paraphrase_train.txt": server + "train.txt",
+            "msr_paraphrase_test.txt": server + "test.txt",
+            "dev_ids.tsv": server + "ids.tsv",
+        },
+    )
     for task in ("SST-2", "MRPC"):
         glue.fetch(tmp_path / "glue_data", task)
     sst = glue.read_task(tmp_path / "glue_data", "SST-2")
@@ -702,11 +907,17 @@ def test_glue_download_unpacks_zips_and_builds_mrpc(tmp_path, server, monkeypatc
 
 # ---------------------------------------------------------------- a bad sentencepiece model
 
+
 def sh_bounded(script, *args, timeout=30):
     """sh() with a time limit: a hung step fails the test instead of hanging it."""
-    proc = subprocess.Popen([str(DP / script), *map(str, args)], env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [str(DP / script), *map(str, args)],
+        env=ENV,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -722,20 +933,54 @@ def test_bad_spm_model_fails_at_once(tmp_path, workers):
     (tmp_path / "in.txt").write_text("some text\n" * 10)
     (tmp_path / "dict.txt").write_text("a 1\n")
     expected = f"error: {tmp_path / 'spm.vocab'}: not a sentencepiece model"
-    code, log = sh_bounded("spm.sh", "encode", "--model", tmp_path / "spm.vocab", "--workers",
-                           workers, "--inputs", tmp_path / "in.txt", "--outputs", tmp_path / "out")
-    assert code == 1 and expected in log and "Traceback" not in log
+    code, log = sh_bounded(
+        "spm.sh",
+        "encode",
+        "--model",
+        tmp_path / "spm.vocab",
+        "--workers",
+        workers,
+        "--inputs",
+        tmp_path / "in.txt",
+        "--outputs",
+        tmp_path / "out",
+    )
+    assert code == 2 and expected in log and "Traceback" not in log
     assert not (tmp_path / "out").exists()
     make_glue_task(tmp_path / "glue", "RTE")
-    code, log = sh_bounded("glue.sh", "--glue-dir", tmp_path / "glue", "--tasks", "RTE",
-                           "--spm-model", tmp_path / "spm.vocab", "--srcdict", tmp_path / "dict.txt",
-                           "--destdir", tmp_path / "bin", "--workers", workers)
-    assert code == 1 and expected in log and "Traceback" not in log
+    code, log = sh_bounded(
+        "glue.sh",
+        "--glue-dir",
+        tmp_path / "glue",
+        "--tasks",
+        "RTE",
+        "--spm-model",
+        tmp_path / "spm.vocab",
+        "--srcdict",
+        tmp_path / "dict.txt",
+        "--destdir",
+        tmp_path / "bin",
+        "--workers",
+        workers,
+    )
+    assert code == 2 and expected in log and "Traceback" not in log
     make_imdb_tarball(tmp_path / "aclImdb_v1.tar.gz")
-    code, log = sh_bounded("imdb.sh", "--tarball", tmp_path / "aclImdb_v1.tar.gz", "--valid-size", 2,
-                           "--spm-model", tmp_path / "spm.vocab", "--srcdict", tmp_path / "dict.txt",
-                           "--destdir", tmp_path / "bin", "--workers", workers)
-    assert code == 1 and expected in log and "Traceback" not in log
+    code, log = sh_bounded(
+        "imdb.sh",
+        "--tarball",
+        tmp_path / "aclImdb_v1.tar.gz",
+        "--valid-size",
+        2,
+        "--spm-model",
+        tmp_path / "spm.vocab",
+        "--srcdict",
+        tmp_path / "dict.txt",
+        "--destdir",
+        tmp_path / "bin",
+        "--workers",
+        workers,
+    )
+    assert code == 2 and expected in log and "Traceback" not in log
     assert not (tmp_path / "bin").exists()
 
 
@@ -760,8 +1005,9 @@ def test_worker_failure_cannot_loop(tmp_path, monkeypatch, failure):
     failed = []
 
     def run():
-        error, match = (RuntimeError, "vanished") if failure == "raises" else \
-            (PrepError, "encoding failed: a worker process died")
+        error, match = (
+            (RuntimeError, "vanished") if failure == "raises" else (PrepError, "encoding failed: a worker process died")
+        )
         with pytest.raises(error, match=match):
             spm.encode(tmp_path / "spm/spm.model", book, tmp_path / "out", 2)
         failed.append(True)
@@ -773,6 +1019,7 @@ def test_worker_failure_cannot_loop(tmp_path, monkeypatch, failure):
 
 
 # ---------------------------------------------------------------- re-runs check what an output was made from
+
 
 def _small_corpus(path, n=300):
     lines = [l for l in (SAMPLE / "books/blake-poems.txt").read_text().splitlines() if l.strip()]
@@ -788,17 +1035,18 @@ def test_spm_retrain_with_other_parameters_or_corpus_stops(tmp_path, monkeypatch
     _, log = sh("spm.sh", *args, "--vocab-size", 100)
     assert f"skip sentencepiece training: {tmp_path / 'spm'} is up to date" in log
     code, log = sh("spm.sh", *args, "--vocab-size", 120, check=False)
-    assert code == 1 and f"error: {tmp_path / 'spm'}: made from other inputs or parameters" in log
+    assert code == 2 and f"error: {tmp_path / 'spm'}: made from other inputs or parameters" in log
     assert "vocab_size 100 -> 120" in log and "delete it" in log
     corpus_txt.write_text(corpus_txt.read_text() + "One more line of text.\n")
     code, log = sh("spm.sh", *args, "--vocab-size", 100, check=False)
-    assert code == 1 and f"corpus {corpus_txt} changed" in log
+    assert code == 2 and f"corpus {corpus_txt} changed" in log
     assert (tmp_path / "spm/spm.model").read_bytes() == model
     (tmp_path / "other").mkdir()
     (tmp_path / "other/spm.model").write_bytes(model)  # made by hand: no record
-    code, log = sh("spm.sh", "train", "--corpus", corpus_txt, "--out", tmp_path / "other",
-                   "--vocab-size", 100, check=False)
-    assert code == 1 and "no record of what made it" in log and "DATAPREP_ADOPT=1" in log
+    code, log = sh(
+        "spm.sh", "train", "--corpus", corpus_txt, "--out", tmp_path / "other", "--vocab-size", 100, check=False
+    )
+    assert code == 2 and "no record of what made it" in log and "DATAPREP_ADOPT=1" in log
     monkeypatch.setenv("DATAPREP_ADOPT", "1")  # the user vouches for it: recorded, kept
     spm.train(corpus_txt, tmp_path / "other", 100, 0, "unigram", 1)
     assert (tmp_path / "other/made-from.json").exists()
@@ -809,26 +1057,63 @@ def test_encode_refuses_its_input_as_output_and_checks_its_inputs(tmp_path):
     corpus_txt = _small_corpus(tmp_path / "train.txt")
     spm.train(corpus_txt, tmp_path / "spm", 100, 0, "unigram", 1)
     text = corpus_txt.read_bytes()
-    code, log = sh("spm.sh", "encode", "--model", tmp_path / "spm/spm.model", "--inputs",
-                   corpus_txt, "--outputs", corpus_txt, check=False)
-    assert code == 1 and f"error: {corpus_txt}: the output is also" in log
+    code, log = sh(
+        "spm.sh",
+        "encode",
+        "--model",
+        tmp_path / "spm/spm.model",
+        "--inputs",
+        corpus_txt,
+        "--outputs",
+        corpus_txt,
+        check=False,
+    )
+    assert code == 2 and f"error: {corpus_txt}: the output is also" in log
     assert corpus_txt.read_bytes() == text
-    args = ["encode", "--model", tmp_path / "spm/spm.model", "--workers", 1,
-            "--inputs", corpus_txt, "--outputs", tmp_path / "train.spm"]
+    args = [
+        "encode",
+        "--model",
+        tmp_path / "spm/spm.model",
+        "--workers",
+        1,
+        "--inputs",
+        corpus_txt,
+        "--outputs",
+        tmp_path / "train.spm",
+    ]
     sh("spm.sh", *args)
     assert "skip encoding" in sh("spm.sh", *args)[1]
     spm.train(corpus_txt, tmp_path / "spm2", 120, 0, "unigram", 1)
-    code, log = sh("spm.sh", "encode", "--model", tmp_path / "spm2/spm.model", "--inputs",
-                   corpus_txt, "--outputs", tmp_path / "train.spm", check=False)
-    assert code == 1 and f"model {tmp_path / 'spm2/spm.model'} changed" in log
+    code, log = sh(
+        "spm.sh",
+        "encode",
+        "--model",
+        tmp_path / "spm2/spm.model",
+        "--inputs",
+        corpus_txt,
+        "--outputs",
+        tmp_path / "train.spm",
+        check=False,
+    )
+    assert code == 2 and f"model {tmp_path / 'spm2/spm.model'} changed" in log
 
 
 def test_binarize_refuses_text_that_was_never_encoded(sample, tmp_path):
     out, _ = sample
-    args = ["--train", out / "corpus/train.txt", "--valid", out / "corpus/valid.txt",
-            "--srcdict", out / "spm/dict.txt", "--destdir", tmp_path / "bin", "--workers", 1]
+    args = [
+        "--train",
+        out / "corpus/train.txt",
+        "--valid",
+        out / "corpus/valid.txt",
+        "--srcdict",
+        out / "spm/dict.txt",
+        "--destdir",
+        tmp_path / "bin",
+        "--workers",
+        1,
+    ]
     code, log = sh("binarize.sh", *args, check=False)
-    assert code == 1 and f"error: {out / 'corpus/train.txt'}:" in log
+    assert code == 2 and f"error: {out / 'corpus/train.txt'}:" in log
     assert "not in the dictionary" in log and "never encoded" in log and "--max-unk-rate" in log
     assert not (tmp_path / "bin").exists()
     _, log = sh("binarize.sh", *args, "--max-unk-rate", 1)  # knowingly
@@ -837,11 +1122,21 @@ def test_binarize_refuses_text_that_was_never_encoded(sample, tmp_path):
 
 def test_binarize_rerun_with_other_shards_stops(sample, tmp_path):
     out, _ = sample
-    args = ["--train", out / "valid.spm", "--valid", out / "valid.spm", "--srcdict",
-            out / "spm/dict.txt", "--destdir", tmp_path / "bin", "--workers", 1]
+    args = [
+        "--train",
+        out / "valid.spm",
+        "--valid",
+        out / "valid.spm",
+        "--srcdict",
+        out / "spm/dict.txt",
+        "--destdir",
+        tmp_path / "bin",
+        "--workers",
+        1,
+    ]
     sh("binarize.sh", *args, "--shards", 1)
     code, log = sh("binarize.sh", *args, "--shards", 2, check=False)
-    assert code == 1 and "shards 1 -> 2" in log and not (tmp_path / "bin/shard1").exists()
+    assert code == 2 and "shards 1 -> 2" in log and not (tmp_path / "bin/shard1").exists()
 
 
 def test_corpus_rerun_with_other_seed_stops(tmp_path):
@@ -853,13 +1148,15 @@ def test_corpus_rerun_with_other_seed_stops(tmp_path):
     sh("corpus.sh", *args)
     assert "skip corpus" in sh("corpus.sh", *args)[1]
     code, log = sh("corpus.sh", *args, "--seed", 2, check=False)
-    assert code == 1 and "seed 1 -> 2" in log
+    assert code == 2 and "seed 1 -> 2" in log
 
 
 # ---------------------------------------------------------------- books in another encoding
 
-LATIN1_BOOK = ("Caf\xe9 au lait was served in the garden, na\xefvely and with \xe6sthetic care.\n\n"
-               "\xabSo\xbb said the old m\xe2itre d'h\xf4tel, counting his \xa3 and his \xe9cus.\n")
+LATIN1_BOOK = (
+    "Caf\xe9 au lait was served in the garden, na\xefvely and with \xe6sthetic care.\n\n"
+    "\xabSo\xbb said the old m\xe2itre d'h\xf4tel, counting his \xa3 and his \xe9cus.\n"
+)
 
 
 def test_latin1_books(tmp_path):
@@ -867,26 +1164,36 @@ def test_latin1_books(tmp_path):
     books.mkdir()
     (books / "latin1.txt").write_bytes(LATIN1_BOOK.encode("latin-1"))
     (books / "utf8.txt").write_text("A second book, in UTF-8 \u2014 with a long enough line.\n")
-    code, log = sh("corpus.sh", "--out", tmp_path / "c", "--books", books, "--valid-docs", 1,
-                   check=False)
-    assert code == 1 and f"{books / 'latin1.txt'}:1: not valid UTF-8" in log
+    code, log = sh("corpus.sh", "--out", tmp_path / "c", "--books", books, "--valid-docs", 1, check=False)
+    assert code == 2 and f"{books / 'latin1.txt'}:1: not valid UTF-8" in log
     assert "--books-encoding" in log
     for encoding in ("cp1252", "auto"):
-        _, log = sh("corpus.sh", "--out", tmp_path / encoding, "--books", books,
-                    "--valid-docs", 1, "--books-encoding", encoding)
-        text = (tmp_path / encoding / "train.txt").read_text() + \
-            (tmp_path / encoding / "valid.txt").read_text()
+        _, log = sh(
+            "corpus.sh", "--out", tmp_path / encoding, "--books", books, "--valid-docs", 1, "--books-encoding", encoding
+        )
+        text = (tmp_path / encoding / "train.txt").read_text() + (tmp_path / encoding / "valid.txt").read_text()
         assert "Caf\xe9 au lait" in text and "m\xe2itre d'h\xf4tel, counting his \xa3" in text
         assert ("\u2014" in text) == (encoding == "auto")  # auto reads utf8.txt as UTF-8
     assert f"{books / 'latin1.txt'}: not UTF-8, read as cp1252" in log
     (books / "garbage.txt").write_bytes(bytes(range(256)) * 4)
     for encoding in ("auto", "latin-1"):
-        code, log = sh("corpus.sh", "--out", tmp_path / "g", "--books", books, "--valid-docs", 1,
-                       "--books-encoding", encoding, check=False)
-        assert code == 1 and f"error: {books / 'garbage.txt'}:1: " in log and "not text" in log
+        code, log = sh(
+            "corpus.sh",
+            "--out",
+            tmp_path / "g",
+            "--books",
+            books,
+            "--valid-docs",
+            1,
+            "--books-encoding",
+            encoding,
+            check=False,
+        )
+        assert code == 2 and f"error: {books / 'garbage.txt'}:1: " in log and "not text" in log
 
 
 # ---------------------------------------------------------------- downloads check the remote file
+
 
 def test_download_restarts_when_the_remote_file_changed(tmp_path, server):
     old, new = PAYLOAD, PAYLOAD[::-1]
@@ -923,10 +1230,10 @@ def test_wikipedia_published_sha1(tmp_path, server):
     import hashlib
 
     name = "enwiki-20240601-pages-articles.xml.bz2"
-    sums = f"{'1' * 40}  enwiki-20240601-pages-articles-multistream.xml.bz2\n" \
-           f"{hashlib.sha1(PAYLOAD).hexdigest()}  {name}\n"
-    Server.files = {f"/enwiki/20240601/{name}": PAYLOAD,
-                    "/enwiki/20240601/enwiki-20240601-sha1sums.txt": sums.encode()}
+    sums = (
+        f"{'1' * 40}  enwiki-20240601-pages-articles-multistream.xml.bz2\n{hashlib.sha1(PAYLOAD).hexdigest()}  {name}\n"
+    )
+    Server.files = {f"/enwiki/20240601/{name}": PAYLOAD, "/enwiki/20240601/enwiki-20240601-sha1sums.txt": sums.encode()}
     url = f"{server}enwiki/20240601/{name}"
     assert corpus.published_sha1(url) == hashlib.sha1(PAYLOAD).hexdigest()
     assert corpus.published_sha1(server + "other/file.bz2") is None
@@ -940,6 +1247,17 @@ def test_output_holding_an_input_is_refused(tmp_path):
     corpus_txt = _small_corpus(tmp_path / "corpus" / "train.txt")
     with pytest.raises(PrepError, match="the output folder holds the corpus input"):
         spm.train(corpus_txt, tmp_path / "corpus", 100, 0, "unigram", 1)
-    code, log = sh("spm.sh", "encode", "--model", tmp_path / "m", "--inputs", corpus_txt,
-                   tmp_path / "b", "--outputs", tmp_path / "b", tmp_path / "c", check=False)
-    assert code == 1 and f"error: {tmp_path / 'b'}: the output is also an input" in log
+    code, log = sh(
+        "spm.sh",
+        "encode",
+        "--model",
+        tmp_path / "m",
+        "--inputs",
+        corpus_txt,
+        tmp_path / "b",
+        "--outputs",
+        tmp_path / "b",
+        tmp_path / "c",
+        check=False,
+    )
+    assert code == 2 and f"error: {tmp_path / 'b'}: the output is also an input" in log

@@ -2,6 +2,7 @@
 dry-run arithmetic and bad input, and real CPU runs through them: a pretraining run killed with
 SIGKILL and relaunched, its tensorboard logs, bf16 steps, finetuning from its checkpoint and
 the results table."""
+
 import math
 import os
 import re
@@ -12,12 +13,14 @@ import time
 
 import pytest
 import torch
+from conftest import CONFIG, ENV, REPO, TINY, build_sst2_bin
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import linformer_fairseq  # noqa: F401  (its checkpoints load with weights_only=True)
-from launch_utils import CONFIG, ENV, REPO, TINY, losses, records
-from launch_utils import sst2_bin as build_sst2_bin
+from linformer_tools.logs import by_update, records
+
+pytestmark = pytest.mark.slow  # end-to-end training runs
 
 SCRIPTS = REPO / "scripts"
 PRETRAIN, FINETUNE = SCRIPTS / "pretrain.sh", SCRIPTS / "finetune.sh"
@@ -43,7 +46,9 @@ def test_help_documents_the_dry_run(script):
 @pytest.mark.parametrize("nodes, update_freq", [(8, 2), (4, 4), (1, 16)])
 def test_sbatch_dry_run_keeps_the_global_batch(nodes, update_freq):
     """64, 32 and 8 GPUs: update_freq grows as the GPU count falls, the global batch stays 2048."""
-    out = run([PRETRAIN_SBATCH, "--dry-run", "--nodes", nodes, "linformer_n512_k128_headwise", "data-bin/shard0"]).stdout
+    out = run(
+        [PRETRAIN_SBATCH, "--dry-run", "--nodes", nodes, "linformer_n512_k128_headwise", "data-bin/shard0"]
+    ).stdout
     world = nodes * 8
     batch, freq, size, global_batch = map(int, PLAN.search(out).groups())
     assert (batch, freq, size, global_batch) == (16, update_freq, world, 2048)
@@ -58,23 +63,54 @@ def test_sbatch_dry_run_keeps_the_global_batch(nodes, update_freq):
     assert "checkpoints/linformer_n512_k128_headwise (hydra_train.log, tensorboard/" in out
 
 
-@pytest.mark.parametrize("cmd, message", [
-    ([PRETRAIN, "--dry-run", "--gpus", "8", "nope", "data"], "no config"),
-    ([PRETRAIN, "--dry-run", "--gpus", "3", CONFIG, "data"], "does not split into steps of 16 sequences per GPU x 3 GPUs"),
-    ([PRETRAIN, "--dry-run", "--gpus", "8", CONFIG, "data", "dataset.batch_size=4"], "--batch-size"),
-    ([PRETRAIN, "--gpus", "0", CONFIG, "data"], "--gpus needs a whole number >= 1, got '0'"),
-    ([PRETRAIN, "--cpu", CONFIG, "/no/such/data"], "data folder /no/such/data does not exist"),
-    ([FINETUNE, "--dry-run", "nope", "model.pt"], "no task 'nope'"),
-    ([FINETUNE, "--dry-run", "sst_2", "/no/model.pt"], "checkpoint /no/model.pt does not exist"),
-    (["env", "SLURM_ARRAY_TASK_ID=1", FINETUNE_SBATCH, "--dry-run", "--tasks", "rte", "--seeds", "1", "model.pt"],
-     "array index 1 is past 1 tasks x 1 seeds: submit with --array=0-0"),
-    (COLLECT + ["/no/such/folder"], "/no/such/folder is not a folder"),
-    ([PRETRAIN, "--cpu", CONFIG, "/no/such dir/data:/no/other"], "data folder /no/such dir/data does not exist"),
-    # data-prep writes DESTDIR/<TASK>-bin, and both READMEs use --destdir data-bin
-    ([FINETUNE, "--cpu", "sst_2", "model.pt"], "error: data-bin/SST-2-bin is not a sentence_prediction data-bin"),
-    ([PRETRAIN, "--cpu", "--gpus", "2", CONFIG, "."], "--cpu runs one process outside Slurm"),
-], ids=["config", "indivisible", "batch-override", "zero-gpus", "data", "task", "checkpoint", "array", "results",
-        "data-with-spaces", "finetune-data-root", "cpu-ranks-outside-slurm"])
+@pytest.mark.parametrize(
+    "cmd, message",
+    [
+        ([PRETRAIN, "--dry-run", "--gpus", "8", "nope", "data"], "no config"),
+        (
+            [PRETRAIN, "--dry-run", "--gpus", "3", CONFIG, "data"],
+            "does not split into steps of 16 sequences per GPU x 3 GPUs",
+        ),
+        ([PRETRAIN, "--dry-run", "--gpus", "8", CONFIG, "data", "dataset.batch_size=4"], "--batch-size"),
+        ([PRETRAIN, "--gpus", "0", CONFIG, "data"], "--gpus needs a whole number >= 1, got '0'"),
+        ([PRETRAIN, "--cpu", CONFIG, "/no/such/data"], "data folder /no/such/data does not exist"),
+        ([FINETUNE, "--dry-run", "nope", "model.pt"], "no task 'nope'"),
+        ([FINETUNE, "--dry-run", "sst_2", "/no/model.pt"], "checkpoint /no/model.pt does not exist"),
+        (
+            [
+                "env",
+                "SLURM_ARRAY_TASK_ID=1",
+                FINETUNE_SBATCH,
+                "--dry-run",
+                "--tasks",
+                "rte",
+                "--seeds",
+                "1",
+                "model.pt",
+            ],
+            "array index 1 is past 1 tasks x 1 seeds: submit with --array=0-0",
+        ),
+        (COLLECT + ["/no/such/folder"], "/no/such/folder is not a folder"),
+        ([PRETRAIN, "--cpu", CONFIG, "/no/such dir/data:/no/other"], "data folder /no/such dir/data does not exist"),
+        # data-prep writes DESTDIR/<TASK>-bin, and both READMEs use --destdir data-bin
+        ([FINETUNE, "--cpu", "sst_2", "model.pt"], "error: data-bin/SST-2-bin is not a sentence_prediction data-bin"),
+        ([PRETRAIN, "--cpu", "--gpus", "2", CONFIG, "."], "--cpu runs one process outside Slurm"),
+    ],
+    ids=[
+        "config",
+        "indivisible",
+        "batch-override",
+        "zero-gpus",
+        "data",
+        "task",
+        "checkpoint",
+        "array",
+        "results",
+        "data-with-spaces",
+        "finetune-data-root",
+        "cpu-ranks-outside-slurm",
+    ],
+)
 def test_bad_input_fails_with_a_clear_message(cmd, message, tmp_path):
     proc = run(cmd, cwd=tmp_path, ok=False)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
@@ -82,16 +118,36 @@ def test_bad_input_fails_with_a_clear_message(cmd, message, tmp_path):
 
 def test_sbatch_dry_run_cpu_ranks():
     """--cpu under Slurm: one gloo rank per task, placed by fairseq's Slurm init as on GPUs."""
-    out = run([PRETRAIN_SBATCH, "--dry-run", "--nodes", "2", "--gpus-per-node", "2", "--cpu",
-               "--global-batch", "8", "--batch-size", "2", CONFIG, "data-bin/shard0"]).stdout
+    out = run(
+        [
+            PRETRAIN_SBATCH,
+            "--dry-run",
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "2",
+            "--cpu",
+            "--global-batch",
+            "8",
+            "--batch-size",
+            "2",
+            CONFIG,
+            "data-bin/shard0",
+        ]
+    ).stdout
     assert "srun: 2 node(s) x 2 task(s), one CPU process (gloo rank) each" in out
     assert "plan: CPU (gloo), 2 node(s) x 2 process(es) = world size 4" in out
     assert re.findall(r"^  node (\d+): ranks (\d+)-(\d+)$", out, re.M) == [("0", "0", "1"), ("1", "2", "3")]
     assert tuple(map(int, PLAN.search(out).groups())) == (2, 1, 4, 8)
     command = re.findall(r"^command: (.*)$", out, re.M)[1]
-    for override in ("common.cpu=true", "distributed_training.distributed_world_size=4",
-                     "distributed_training.distributed_backend=gloo", "distributed_training.ddp_backend=legacy_ddp",
-                     "distributed_training.distributed_port=", "checkpoint.load_checkpoint_on_all_dp_ranks=true"):
+    for override in (
+        "common.cpu=true",
+        "distributed_training.distributed_world_size=4",
+        "distributed_training.distributed_backend=gloo",
+        "distributed_training.ddp_backend=legacy_ddp",
+        "distributed_training.distributed_port=",
+        "checkpoint.load_checkpoint_on_all_dp_ranks=true",
+    ):
         assert override in command, override
     assert "distributed_init_method" not in command and "distributed_rank" not in command  # fairseq's Slurm init
 
@@ -99,7 +155,7 @@ def test_sbatch_dry_run_cpu_ranks():
 def truncate(path, keep=0.5):
     """What a kill during fairseq's plain copy onto PATH leaves: the first part of the file."""
     data = path.read_bytes()
-    path.write_bytes(data[:int(len(data) * keep)])
+    path.write_bytes(data[: int(len(data) * keep)])
 
 
 def test_truncated_checkpoint_last_resumes_from_the_newest_complete_checkpoint(tmp_path, wikitext_bin):
@@ -119,8 +175,10 @@ def test_truncated_checkpoint_last_resumes_from_the_newest_complete_checkpoint(t
     first_run = log.stat().st_size
 
     out = run(cmd + ["optimization.max_update=12"]).stdout
-    assert (f"resume: {save}/checkpoint_last.pt does not load" in out
-            and "resuming from the newest complete checkpoint, checkpoint_1_8.pt (8 updates)" in out), out
+    assert (
+        f"resume: {save}/checkpoint_last.pt does not load" in out
+        and "resuming from the newest complete checkpoint, checkpoint_1_8.pt (8 updates)" in out
+    ), out
     assert f"resume: from {save}/checkpoint_1_8.pt" in out
     text = log.read_text()[first_run:]
     assert f"Loaded checkpoint {save}/checkpoint_1_8.pt (epoch 1 @ 8 updates)" in text
@@ -142,12 +200,24 @@ def resumed(tmp_path_factory, wikitext_bin):
     """A CPU pretraining run through scripts/pretrain.sh, SIGKILLed a few updates after its
     checkpoint at update 10 and relaunched with the same command."""
     save = tmp_path_factory.mktemp("pretrain") / CONFIG
-    cmd = [str(c) for c in [PRETRAIN, *SMOKE, "--save-dir", save, CONFIG, wikitext_bin,
-                            f"optimization.max_update={MAX_UPDATE}",
-                            f"checkpoint.save_interval_updates={SAVE_EVERY}", *TINY]]
+    cmd = [
+        str(c)
+        for c in [
+            PRETRAIN,
+            *SMOKE,
+            "--save-dir",
+            save,
+            CONFIG,
+            wikitext_bin,
+            f"optimization.max_update={MAX_UPDATE}",
+            f"checkpoint.save_interval_updates={SAVE_EVERY}",
+            *TINY,
+        ]
+    ]
     log, output = save / "hydra_train.log", save.with_name("first-run.out")
-    first = subprocess.Popen(cmd, env=ENV, stdout=output.open("w"), stderr=subprocess.STDOUT,
-                             start_new_session=True)  # its own process group, killed as one
+    first = subprocess.Popen(
+        cmd, env=ENV, stdout=output.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )  # its own process group, killed as one
     deadline = time.monotonic() + 300
     try:
         while first.poll() is None and time.monotonic() < deadline:
@@ -160,7 +230,9 @@ def resumed(tmp_path_factory, wikitext_bin):
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
         first.wait()
-    assert first.returncode == -signal.SIGKILL, f"the run ended ({first.returncode}) before it was killed:\n{output.read_text()[-3000:]}"
+    assert first.returncode == -signal.SIGKILL, (
+        f"the run ended ({first.returncode}) before it was killed:\n{output.read_text()[-3000:]}"
+    )
     killed_at = log.stat().st_size
     run(cmd)
     return save, log, killed_at
@@ -181,7 +253,7 @@ def test_killed_run_resumes_without_lost_or_repeated_updates(resumed):
     assert sorted(done[:checkpoint] + redone) == list(range(1, MAX_UPDATE + 1))
     # the updates lost with the kill are redone on the same batches from the same state
     lost = range(checkpoint + 1, done[-1] + 1)
-    assert [losses(before)[u] for u in lost] == [losses(after)[u] for u in lost]
+    assert [by_update(before)[u] for u in lost] == [by_update(after)[u] for u in lost]
     state = torch.load(save / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     assert state["optimizer_history"][-1]["num_updates"] == MAX_UPDATE
 
@@ -189,7 +261,7 @@ def test_killed_run_resumes_without_lost_or_repeated_updates(resumed):
 def test_tensorboard_has_the_training_loss(resumed):
     save, log, _ = resumed
     events = EventAccumulator(str(save / "tensorboard" / "train_inner"), size_guidance={"scalars": 0}).Reload()
-    logged = losses(records(log, "train_inner"))
+    logged = by_update(records(log, "train_inner"))
     scalars = {e.step: e.value for e in events.Scalars("loss")}  # the relaunch rewrites redone steps
     assert sorted(scalars) == list(range(1, MAX_UPDATE + 1))
     assert all(abs(scalars[u] - logged[u]) < 1e-3 for u in scalars), "tensorboard and the log disagree"
@@ -199,8 +271,21 @@ def test_tensorboard_has_the_training_loss(resumed):
 
 def test_bf16_steps_on_cpu(tmp_path, wikitext_bin):
     save = tmp_path / "bf16"
-    run([PRETRAIN, *SMOKE, "--save-dir", save, CONFIG, wikitext_bin, "common.bf16=true",
-         "optimization.max_update=24", "optimization.lr=[0.002]", "checkpoint.save_interval_updates=0", *TINY])
+    run(
+        [
+            PRETRAIN,
+            *SMOKE,
+            "--save-dir",
+            save,
+            CONFIG,
+            wikitext_bin,
+            "common.bf16=true",
+            "optimization.max_update=24",
+            "optimization.lr=[0.002]",
+            "checkpoint.save_interval_updates=0",
+            *TINY,
+        ]
+    )
     state = torch.load(save / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     assert state["cfg"]["common"]["bf16"]
     # fairseq's mixed-precision wrapper: bf16 model, fp32 master weights in the optimizer
@@ -232,7 +317,7 @@ def test_finetune_from_the_pretrained_checkpoint(resumed, sst2_bin, tmp_path):
     assert cfg.task.max_positions == 32 and cfg.common.seed == 3
     log = (save / "hydra_train.log").read_text()
     assert f"Loaded checkpoint {pretrained} (epoch" in log
-    accuracy = [float(r["valid_accuracy"]) for r in records(save / "hydra_train.log", "valid")]
+    accuracy = [float(r["accuracy"]) for r in records(save / "hydra_train.log", "valid")]
     assert len(accuracy) == 2
 
     table = run(COLLECT + [tmp_path / "checkpoints" / "finetune"]).stdout.splitlines()
@@ -251,17 +336,26 @@ def test_finetune_from_the_pretrained_checkpoint(resumed, sst2_bin, tmp_path):
     out = run([FINETUNE_SBATCH, "--dry-run", "--tasks", "sst_2", "--seeds", "3", *args], cwd=tmp_path).stdout
     assert "resuming from the newest complete checkpoint, checkpoint_best.pt" in out
     assert f"resume: from {save}/checkpoint_best.pt" in out
-    assert re.search(r"checkpoint\.restore_file=\\'\S+/checkpoint_best\.pt\\' checkpoint\.reset_optimizer=false", out), out
+    assert re.search(
+        r"checkpoint\.restore_file=\\'\S+/checkpoint_best\.pt\\' checkpoint\.reset_optimizer=false", out
+    ), out
 
 
 def write_run(root, model, task, seed, metric, scores, maximize=True):
     run_dir = root / model / task / f"seed{seed}"
     (run_dir / ".hydra").mkdir(parents=True)
-    OmegaConf.save({"checkpoint": {"best_checkpoint_metric": metric, "maximize_best_checkpoint_metric": maximize}},
-                   run_dir / ".hydra" / "config.yaml")
-    lines = [f'[2026-01-01 00:00:0{i},000][valid][INFO] - {{"epoch": {i + 1}, "valid_loss": "0.5", '
-             f'"valid_{metric}": "{score}", "valid_num_updates": "{100 * (i + 1)}"}}' for i, score in enumerate(scores)]
-    (run_dir / "hydra_train.log").write_text("\n".join(["[2026-01-01 00:00:00,000][fairseq_cli.train][INFO] - start"] + lines) + "\n")
+    OmegaConf.save(
+        {"checkpoint": {"best_checkpoint_metric": metric, "maximize_best_checkpoint_metric": maximize}},
+        run_dir / ".hydra" / "config.yaml",
+    )
+    lines = [
+        f'[2026-01-01 00:00:0{i},000][valid][INFO] - {{"epoch": {i + 1}, "valid_loss": "0.5", '
+        f'"valid_{metric}": "{score}", "valid_num_updates": "{100 * (i + 1)}"}}'
+        for i, score in enumerate(scores)
+    ]
+    (run_dir / "hydra_train.log").write_text(
+        "\n".join(["[2026-01-01 00:00:00,000][fairseq_cli.train][INFO] - start"] + lines) + "\n"
+    )
 
 
 def test_collect_results_mean_and_spread_of_best_dev_scores(tmp_path):

@@ -1,4 +1,5 @@
 """Numerics and invariants of the Linformer attention module and the linformer_roberta model."""
+
 import argparse
 import dataclasses
 import itertools
@@ -12,7 +13,7 @@ from fairseq.modules import MultiheadAttention
 
 import linformer_fairseq  # noqa: F401  (registers the model)
 from linformer_fairseq.models.linformer_roberta import LinformerRobertaConfig, LinformerRobertaModel
-from linformer_fairseq.modules import COMPRESS_SHARING, COMPRESS_TYPES, LinformerMultiheadAttention
+from linformer_fairseq.modules import COMPRESS_SHARING, COMPRESS_TYPES, LinformerMultiheadAttention, LinformerSettings
 from linformer_fairseq.modules.linformer_attention import LENGTH_NORM_POWERS, SequenceProjection
 
 VOCAB = 50
@@ -20,8 +21,16 @@ VOCAB = 50
 
 def build_model(**overrides):
     """A linformer_roberta built the way fairseq builds it from parsed flags."""
-    small = dict(encoder_layers=2, encoder_embed_dim=32, encoder_ffn_embed_dim=64, encoder_attention_heads=4,
-                 max_positions=32, compressed_dim=8, dropout=0.0, attention_dropout=0.0)
+    small = dict(
+        encoder_layers=2,
+        encoder_embed_dim=32,
+        encoder_ffn_embed_dim=64,
+        encoder_attention_heads=4,
+        max_positions=32,
+        compressed_dim=8,
+        dropout=0.0,
+        attention_dropout=0.0,
+    )
     small.update(overrides)
     args = argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(LinformerRobertaConfig)})
     vars(args).update(small)
@@ -30,6 +39,12 @@ def build_model(**overrides):
         dictionary.add_symbol(f"w{i}")
     torch.manual_seed(0)
     return LinformerRobertaModel.build_model(args, SimpleNamespace(source_dictionary=dictionary)).eval()
+
+
+def attention(embed_dim, heads, n, k, dropout=0.0, **choices):
+    """A LinformerMultiheadAttention with these settings (headwise, linear unless chosen)."""
+    settings = LinformerSettings(max_positions=n, compressed_dims=(k,), **choices)
+    return LinformerMultiheadAttention(embed_dim, heads, settings, k, dropout=dropout)
 
 
 def tokens(length, batch=1, seed=0):
@@ -47,7 +62,7 @@ def test_exact_against_fairseq_attention_when_k_equals_n_and_projections_are_ide
     n, C, H, B = 12, 16, 4, 3
     torch.manual_seed(0)
     ref = MultiheadAttention(C, H, self_attention=True).eval()
-    lin = LinformerMultiheadAttention(C, H, max_positions=n, compressed_dim=n).eval()
+    lin = attention(C, H, n, n).eval()
     for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
         getattr(lin, name).load_state_dict(getattr(ref, name).state_dict())
     with torch.no_grad():
@@ -59,13 +74,16 @@ def test_exact_against_fairseq_attention_when_k_equals_n_and_projections_are_ide
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("kind,sharing,length_norm", itertools.product(COMPRESS_TYPES, COMPRESS_SHARING, LENGTH_NORM_POWERS))
+@pytest.mark.parametrize(
+    "kind,sharing,length_norm", itertools.product(COMPRESS_TYPES, COMPRESS_SHARING, LENGTH_NORM_POWERS)
+)
 def test_padding_invariance_and_backward(kind, sharing, length_norm):
     """A sentence's outputs at its real tokens do not depend on how far its batch pads it,
     at T < n and T = n, with every length handling; every kind trains (finite gradients
     reach the projections)."""
-    model = build_model(compress_type=kind, compress_sharing=sharing, compress_length_norm=length_norm,
-                        compress_init="xavier")
+    model = build_model(
+        compress_type=kind, compress_sharing=sharing, compress_length_norm=length_norm, compress_init="xavier"
+    )
     n = model.encoder.args.max_positions
     for short_len, batch_len in ((11, 20), (19, n)):
         short, long_ = tokens(short_len, seed=1), tokens(batch_len, seed=2)
@@ -85,7 +103,8 @@ def test_padding_invariance_and_backward(kind, sharing, length_norm):
         model.zero_grad()
         embedded = []
         hook = model.encoder.sentence_encoder.embed_tokens.register_forward_hook(
-            lambda module, inputs, out: embedded.append(out.detach().requires_grad_()) or embedded[-1])
+            lambda module, inputs, out: embedded.append(out.detach().requires_grad_()) or embedded[-1]
+        )
         try:
             loss = (features(model, src)[0, :short_len] * weight).sum()
         finally:
@@ -101,8 +120,9 @@ def test_padding_invariance_and_backward(kind, sharing, length_norm):
     for name, p in params.items():  # None: unused (e.g. the LM head), as good as zeros
         alone_grad, padded_grad = (torch.zeros_like(p) if g[name] is None else g[name] for g in grads_by_name)
         assert torch.isfinite(padded_grad).all(), name
-        torch.testing.assert_close(padded_grad, alone_grad, atol=1e-5, rtol=1e-4,
-                                   msg=lambda m: f"{kind}/{sharing} {name}: {m}")
+        torch.testing.assert_close(
+            padded_grad, alone_grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{kind}/{sharing} {name}: {m}"
+        )
     for attn in (layer.self_attn for layer in model.encoder.sentence_encoder.layers):
         for p in attn.compress_parameters():
             name = next(n for n, q in params.items() if q is p)
@@ -112,8 +132,15 @@ def test_padding_invariance_and_backward(kind, sharing, length_norm):
 @pytest.mark.parametrize("sharing,expected", [("none", 288), ("headwise", 24), ("kv", 12), ("layerwise", 1)])
 def test_distinct_projection_matrices_for_12_layers_12_heads(sharing, expected):
     k, n = 4, 16
-    model = build_model(compress_sharing=sharing, encoder_layers=12, encoder_attention_heads=12,
-                        encoder_embed_dim=24, encoder_ffn_embed_dim=24, max_positions=n, compressed_dim=k)
+    model = build_model(
+        compress_sharing=sharing,
+        encoder_layers=12,
+        encoder_attention_heads=12,
+        encoder_embed_dim=24,
+        encoder_ffn_embed_dim=24,
+        max_positions=n,
+        compressed_dim=k,
+    )
     modules = {}
     for layer in model.encoder.sentence_encoder.layers:
         for proj in (layer.self_attn.compress_k, layer.self_attn.compress_v):
@@ -125,8 +152,8 @@ def test_distinct_projection_matrices_for_12_layers_12_heads(sharing, expected):
 
 
 def test_legacy_flags_map_to_sharing_levels():
-    assert build_model(shared_kv_compressed=1).encoder.args.compress_sharing == "kv"
-    assert build_model(shared_layer_kv_compressed=1).encoder.args.compress_sharing == "layerwise"
+    assert build_model(shared_kv_compressed=1).encoder.sentence_encoder.linformer.sharing == "kv"
+    assert build_model(shared_layer_kv_compressed=1).encoder.sentence_encoder.linformer.sharing == "layerwise"
     with pytest.raises(ValueError, match="contradicts"):
         build_model(shared_kv_compressed=1, compress_sharing="none")
 
@@ -162,9 +189,7 @@ def test_need_weights_path_matches_the_sdpa_path_with_padding(kind, sharing):
     need_head_weights."""
     n, C, H = 32, 16, 4
     torch.manual_seed(0)
-    attn = LinformerMultiheadAttention(C, H, max_positions=n, compressed_dim=8, compress_type=kind,
-                                       compress_sharing=sharing, compress_length_norm="sqrt",
-                                       compress_init="xavier").eval()
+    attn = attention(C, H, n, 8, kind=kind, sharing=sharing, length_norm="sqrt", init="xavier").eval()
     T, lengths = 21, torch.tensor([21, 13, 3])
     pad_mask = torch.arange(T).unsqueeze(0) >= lengths.unsqueeze(1)
     x = torch.randn(T, len(lengths), C)
@@ -193,7 +218,7 @@ def test_attention_dropout_applies_in_training_only(need_weights):
     (SDPA, and the hand-written one that returns weights) and through the model's flag."""
     C, T, B = 16, 12, 2
     torch.manual_seed(0)
-    attn = LinformerMultiheadAttention(C, 4, max_positions=16, compressed_dim=4, dropout=0.25)
+    attn = attention(C, 4, 16, 4, dropout=0.25)
     x = torch.randn(T, B, C)
     pad_mask = torch.zeros(B, T, dtype=torch.bool)
     pad_mask[1, 9:] = True
@@ -265,7 +290,8 @@ def assert_within_half_precision(out, ref, real, dtype, max_eps, mean_eps):
     scale, eps = ref[real].abs().max(), torch.finfo(dtype).eps
     worst, mean = (error.max() / (eps * scale)).item(), (error.mean() / (eps * scale)).item()
     assert worst <= max_eps and mean <= mean_eps, (
-        f"{dtype}: error max {worst:.2f}, mean {mean:.3f} x eps x scale {scale:.2f} (bounds {max_eps}, {mean_eps})")
+        f"{dtype}: error max {worst:.2f}, mean {mean:.3f} x eps x scale {scale:.2f} (bounds {max_eps}, {mean_eps})"
+    )
 
 
 # Half precision, tolerances derived rather than guessed: the reference is the fp32 forward of
@@ -281,8 +307,7 @@ def assert_within_half_precision(out, ref, real, dtype, max_eps, mean_eps):
 @pytest.mark.parametrize("dtype,kind", itertools.product(HALF, COMPRESS_TYPES))
 def test_half_precision_attention_on_cpu_tracks_fp32(dtype, kind):
     torch.manual_seed(0)
-    attn = LinformerMultiheadAttention(64, 4, max_positions=32, compressed_dim=8, compress_type=kind,
-                                       compress_init="xavier", compress_length_norm="sqrt").eval()
+    attn = attention(64, 4, 32, 8, kind=kind, init="xavier", length_norm="sqrt").eval()
     T, lengths = 24, torch.tensor([24, 17])
     pad_mask = torch.arange(T).unsqueeze(0) >= lengths.unsqueeze(1)
     x = (torch.randn(T, 2, 64) * 2).to(dtype)  # x2: peaked attention (entropy ~1.3 of ln 8)
@@ -364,15 +389,27 @@ def test_traced_encoder_matches_eager_at_other_lengths_batches_and_paddings(kind
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         traced = torch.jit.trace(Features(model), example, check_trace=False)
         unpadded_trace = torch.jit.trace(Features(model), batch(16, 2), check_trace=False)
-        for length, size, lengths in ((16, 2, (16, 10)), (16, 2, ()), (32, 2, (32, 7)), (9, 3, (9, 4, 1)),
-                                      (20, 1, ()), (5, 4, (5, 5, 2, 3))):
+        for length, size, lengths in (
+            (16, 2, (16, 10)),
+            (16, 2, ()),
+            (32, 2, (32, 7)),
+            (9, 3, (9, 4, 1)),
+            (20, 1, ()),
+            (5, 4, (5, 5, 2, 3)),
+        ):
             src = batch(length, size, lengths)
-            torch.testing.assert_close(traced(src), features(model, src), atol=1e-5, rtol=1e-5,
-                                       msg=lambda m: f"T={length} B={size} lengths={lengths}: {m}")
+            torch.testing.assert_close(
+                traced(src),
+                features(model, src),
+                atol=1e-5,
+                rtol=1e-5,
+                msg=lambda m: f"T={length} B={size} lengths={lengths}: {m}",
+            )
         # the documented limits
         src = batch(20, 2, (20, 12))
         assert not torch.allclose(unpadded_trace(src)[1, :12], features(model, src)[1, :12], atol=1e-5), (
-            "a trace of an unpadded example now handles padding: update this test and the README")
+            "a trace of an unpadded example now handles padding: update this test and the README"
+        )
         torch.testing.assert_close(unpadded_trace(batch(20, 2)), features(model, batch(20, 2)), atol=1e-5, rtol=1e-5)
         with pytest.raises(Exception) as error:
             traced(batch(40, 2))
@@ -418,16 +455,33 @@ def test_runtime_errors_name_the_problem():
         attn(torch.randn(40, 1, 32))
 
 
-@pytest.mark.parametrize("arch,layers,dim", [("linformer_roberta_base", 12, 768), ("linformer_roberta_large", 24, 1024),
-                                             ("linformer_roberta", 12, 768)])
+@pytest.mark.parametrize(
+    "arch,layers,dim",
+    [("linformer_roberta_base", 12, 768), ("linformer_roberta_large", 24, 1024), ("linformer_roberta", 12, 768)],
+)
 def test_architectures_from_fairseq_train_flags(arch, layers, dim, tmp_path):
     from fairseq import options
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
     parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, [str(tmp_path), "--user-dir", "linformer_fairseq", "--arch", arch,
-                                                "--task", "masked_lm", "--criterion", "masked_lm",
-                                                "--compressed-dim", "64", "--compress-sharing", "layerwise"])
+    args = options.parse_args_and_arch(
+        parser,
+        [
+            str(tmp_path),
+            "--user-dir",
+            "linformer_fairseq",
+            "--arch",
+            arch,
+            "--task",
+            "masked_lm",
+            "--criterion",
+            "masked_lm",
+            "--compressed-dim",
+            "64",
+            "--compress-sharing",
+            "layerwise",
+        ],
+    )
     model_cfg = convert_namespace_to_omegaconf(args).model
     assert (model_cfg.encoder_layers, model_cfg.encoder_embed_dim) == (layers, dim)
     assert (model_cfg.max_positions, model_cfg.compressed_dim, model_cfg.compress_sharing) == (512, 64, "layerwise")
@@ -502,9 +556,22 @@ def test_model_builds_from_an_argparse_namespace(tmp_path):
 
     (tmp_path / "dict.txt").write_text("".join(f"w{i} 1\n" for i in range(20)))
     for arch, layers, dim in (("linformer_roberta_base", 12, 768), ("linformer_roberta_large", 24, 1024)):
-        args = options.parse_args_and_arch(options.get_training_parser(), [
-            str(tmp_path), "--user-dir", "linformer_fairseq", "--arch", arch, "--task", "masked_lm",
-            "--max-positions", "64", "--compressed-dim", "16"])
+        args = options.parse_args_and_arch(
+            options.get_training_parser(),
+            [
+                str(tmp_path),
+                "--user-dir",
+                "linformer_fairseq",
+                "--arch",
+                arch,
+                "--task",
+                "masked_lm",
+                "--max-positions",
+                "64",
+                "--compressed-dim",
+                "16",
+            ],
+        )
         model = tasks.setup_task(args).build_model(args)
         encoder = model.encoder.sentence_encoder
         assert (len(encoder.layers), encoder.embed_tokens.embedding_dim) == (layers, dim)
@@ -519,8 +586,11 @@ def test_checkpoint_with_its_config_loads_under_the_safe_loader():
 
     from omegaconf import OmegaConf
 
-    state = {"cfg": OmegaConf.create({"model": {"_name": "linformer_roberta", "layers": [1, 2]}, "seed": None}),
-             "args": argparse.Namespace(arch="linformer_roberta"), "model": build_model().state_dict()}
+    state = {
+        "cfg": OmegaConf.create({"model": {"_name": "linformer_roberta", "layers": [1, 2]}, "seed": None}),
+        "args": argparse.Namespace(arch="linformer_roberta"),
+        "model": build_model().state_dict(),
+    }
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)

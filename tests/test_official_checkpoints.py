@@ -1,6 +1,7 @@
 """Checkpoints written by the original fairseq Linformer example (examples/linformer) load
 through fairseq's own loader, under torch's safe (weights_only) unpickler, and reproduce the
 outputs that code computed (fixtures and their provenance: tests/fixtures/official-linformer)."""
+
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ def test_official_checkpoint_reproduces_expected_outputs(sharing):
         [str(FIXTURES / sharing / "model.pt")], arg_overrides={"data": str(FIXTURES)}
     )
     model = models[0].eval()
-    assert model.encoder.args.compress_sharing == sharing
+    assert model.encoder.sentence_encoder.linformer.sharing == sharing
     expected = torch.load(FIXTURES / sharing / "expected_outputs.pt")
     for length in (64, 40):
         src = expected[f"tokens_{length}"]

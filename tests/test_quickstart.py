@@ -8,13 +8,19 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # end-to-end training runs
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "quickstart.sh"
 
 
 def quickstart(out, *extra):
-    r = subprocess.run([str(SCRIPT), "--out", str(out), *extra], capture_output=True, text=True,
-                       env={**os.environ, "PYTHON": sys.executable})
+    r = subprocess.run(
+        [str(SCRIPT), "--out", str(out), *extra],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
     assert r.returncode == 0, f"quickstart failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r.stdout + r.stderr
 
@@ -26,8 +32,7 @@ def run(tmp_path_factory):
 
 
 def results(stdout):
-    loss = re.search(r"pretraining validation loss: ([\d.]+) -> ([\d.]+) .*?(\d+) validations",
-                     stdout)
+    loss = re.search(r"pretraining validation loss: ([\d.]+) -> ([\d.]+) .*?(\d+) validations", stdout)
     acc = re.search(r"SST-2 dev accuracy: ([\d.]+)% .*\(majority class: ([\d.]+)%\)", stdout)
     assert loss and acc, stdout[-2000:]
     return [float(v) for v in loss.groups()], [float(v) for v in acc.groups()]
@@ -45,23 +50,34 @@ def test_sst2_accuracy_above_chance(run):
 
 def test_outputs_are_where_it_says(run):
     out, stdout = run
-    for path in ("checkpoints/pretrain/checkpoint_best.pt", "checkpoints/sst2/checkpoint_best.pt",
-                 "logs/pretrain.log", "logs/finetune-sst2.log", "data-bin/shard0/train.bin",
-                 "data-bin/shard1/train.bin", "glue/SST-2-bin/label/dict.txt", "spm/spm.model"):
+    for path in (
+        "pretrain/checkpoint_best.pt",
+        "sst2/checkpoint_best.pt",
+        "pretrain/hydra_train.log",
+        "sst2/hydra_train.log",
+        "pretrain.log",
+        "sst2.log",
+        "data-bin/shard0/train.bin",
+        "data-bin/shard1/train.bin",
+        "glue/SST-2-bin/label/dict.txt",
+        "spm/spm.model",
+    ):
         assert (out / path).is_file(), path
-    for said in (f"checkpoints: {out}/checkpoints/pretrain/ and {out}/checkpoints/sst2/",
-                 f"tensorboard --logdir {out}/tensorboard", f"logs: {out}/logs/pretrain.log"):
+    for said in (
+        f"checkpoints: {out}/pretrain/ and {out}/sst2/",
+        f"tensorboard --logdir {out}",
+        f"logs: {out}/pretrain/hydra_train.log",
+    ):
         assert said in stdout
     for stage in ("pretrain", "sst2"):
-        assert list((out / "tensorboard" / stage).rglob("events.out.tfevents.*")), stage
+        assert list((out / stage / "tensorboard").rglob("events.out.tfevents.*")), stage
     assert not list(out.rglob("*.partial"))
 
 
 def test_second_run_reuses_every_step(run):
     out, stdout = run
     again = quickstart(out)
-    for step in ("corpus", "sentencepiece training", "encoding", "binarizing", "SST-2",
-                 "pretrain", "finetune-sst2"):
+    for step in ("corpus", "sentencepiece training", "encoding", "binarizing", "SST-2", "pretrain", "sst2"):
         assert f"skip {step}" in again, step
     assert results(again) == results(stdout)
 
@@ -79,13 +95,13 @@ def test_roberta_baseline_beside_the_linformer(run):
         assert f"skip {step}" in baseline, step
     (first, last, _), (accuracy, majority) = results(baseline)
     assert last < first and accuracy > majority
-    assert f"logs: {out}/logs/pretrain-roberta.log and {out}/logs/finetune-sst2-roberta.log" in baseline
+    assert f"logs: {out}/pretrain-roberta/hydra_train.log and {out}/sst2-roberta/hydra_train.log" in baseline
     models = {}
     for name in ("pretrain", "pretrain-roberta"):
-        cfg = torch.load(out / "checkpoints" / name / "checkpoint_best.pt")["cfg"]["model"]
+        cfg = torch.load(out / name / "checkpoint_best.pt")["cfg"]["model"]
         cfg = cfg if isinstance(cfg, dict) else {**vars(cfg), "_name": cfg.arch}  # RoBERTa's is a Namespace
         models[name] = (cfg["_name"], cfg["encoder_layers"], cfg["encoder_embed_dim"])
-    assert models == {"pretrain": ("linformer_roberta_base", 2, 128), "pretrain-roberta": ("roberta_base", 2, 128)}
+    assert models == {"pretrain": ("linformer_roberta", 2, 128), "pretrain-roberta": ("roberta", 2, 128)}
     assert results(stdout) == results(quickstart(out)), "the baseline changed the Linformer's results"
 
 

@@ -7,6 +7,7 @@ tabulates it, and bad input fails the job at once with the launcher's message.
 Needs Slurm and munge (Debian: apt-get install slurm-wlm munge) and root. Without them these
 tests FAIL with that hint; deselect them explicitly with `--ignore tests/test_slurm.py` (or
 -k "not test_slurm")."""
+
 import re
 import shutil
 import subprocess
@@ -16,10 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CONFIG, ENV, REPO, SCRIPTS, TINY, build_sst2_bin
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import linformer_fairseq  # noqa: F401  (its checkpoints load with weights_only=True)
-from launch_utils import CONFIG, ENV, REPO, SCRIPTS, TINY, losses, records, sst2_bin
+from linformer_tools.logs import by_update, records
 
 pytestmark = pytest.mark.slow
 
@@ -33,12 +35,24 @@ TWO_CPU_RANKS = ["--nodes", "1", "--ntasks-per-node", "2", "--gpus-per-node", "0
 CPU_BATCH = ["--cpu", "--global-batch", "8", "--batch-size", "4"]
 NO_DROPOUT = ["model.dropout=0", "model.attention_dropout=0"]
 MAX_UPDATE, SAVE_EVERY = 24, 8
-DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+DONE = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
 def sh(cmd, env, cwd=None, ok=True, timeout=120):
     proc = subprocess.run([str(c) for c in cmd], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    assert ok is None or (proc.returncode == 0) == ok, f"{cmd} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert ok is None or (proc.returncode == 0) == ok, (
+        f"{cmd} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return proc
 
 
@@ -47,9 +61,11 @@ def slurm(tmp_path_factory):
     """The environment of a running test cluster (SLURM_CONF), stopped after the module."""
     missing = [b for b in BINARIES if not (shutil.which(b) or Path("/usr/sbin", b).exists())]
     if missing:
-        pytest.fail(f"Slurm/munge binaries missing ({' '.join(missing)}): install them with "
-                    "`apt-get install slurm-wlm munge`, or deselect these tests with --ignore tests/test_slurm.py",
-                    pytrace=False)
+        pytest.fail(
+            f"Slurm/munge binaries missing ({' '.join(missing)}): install them with "
+            "`apt-get install slurm-wlm munge`, or deselect these tests with --ignore tests/test_slurm.py",
+            pytrace=False,
+        )
     state = tmp_path_factory.mktemp("slurm")
     up = subprocess.run([str(CLUSTER), "up", str(state)], capture_output=True, text=True, timeout=120)
     assert up.returncode == 0, f"tests/slurm/cluster.sh up failed:\n{up.stdout}\n{up.stderr}"
@@ -101,8 +117,18 @@ def wait(env, job, until=all_done, timeout=300):
 
 
 def pretrain_args(save, data, max_update, *extra):
-    return [*CPU_BATCH, "--save-dir", save, CONFIG, data, f"optimization.max_update={max_update}",
-            f"checkpoint.save_interval_updates={SAVE_EVERY}", *TINY, *NO_DROPOUT, *extra]
+    return [
+        *CPU_BATCH,
+        "--save-dir",
+        save,
+        CONFIG,
+        data,
+        f"optimization.max_update={max_update}",
+        f"checkpoint.save_interval_updates={SAVE_EVERY}",
+        *TINY,
+        *NO_DROPOUT,
+        *extra,
+    ]
 
 
 def updates(stats):
@@ -114,8 +140,13 @@ def slurm_pretrained(slurm, tmp_path_factory, wikitext_bin):
     """sbatch scripts/slurm/pretrain.sbatch --cpu with 2 tasks, submitted from a scratch folder."""
     work = tmp_path_factory.mktemp("pretrain-job")
     save = work / "two-ranks"
-    job = submit(slurm, TWO_CPU_RANKS + ["--output", work / "%x-%j.out"], PRETRAIN_SBATCH,
-                 pretrain_args(save, wikitext_bin, MAX_UPDATE), cwd=work)
+    job = submit(
+        slurm,
+        TWO_CPU_RANKS + ["--output", work / "%x-%j.out"],
+        PRETRAIN_SBATCH,
+        pretrain_args(save, wikitext_bin, MAX_UPDATE),
+        cwd=work,
+    )
     states = wait(slurm, job)
     output = (work / f"linformer-pretrain-{job}.out").read_text()
     assert states[job][:2] == ("COMPLETED", "0:0"), output[-5000:]
@@ -132,7 +163,7 @@ def test_two_cpu_ranks_train_like_one_process(slurm_pretrained, tmp_path, wikite
     assert "distributed init (rank 1): tcp://" in output and "training on 2 devices" in output
     assert "Traceback" not in output
     log = save / "hydra_train.log"
-    two = losses(records(log, "train_inner"))
+    two = by_update(records(log, "train_inner"))
     assert list(two) == list(range(1, MAX_UPDATE + 1))
     state = torch.load(save / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     assert state["optimizer_history"][-1]["num_updates"] == MAX_UPDATE
@@ -145,7 +176,7 @@ def test_two_cpu_ranks_train_like_one_process(slurm_pretrained, tmp_path, wikite
     # the same 8 sequences in 2 steps of 4 (update_freq 2) does
     one = tmp_path / "one-rank"
     sh([SCRIPTS / "pretrain.sh", *pretrain_args(one, wikitext_bin, MAX_UPDATE)], ENV, timeout=600)
-    single = losses(records(one / "hydra_train.log", "train_inner"))
+    single = by_update(records(one / "hydra_train.log", "train_inner"))
     assert two == single, "the two ranks' logged loss differs from one process's"
 
 
@@ -154,8 +185,13 @@ def test_requeued_job_resumes_without_lost_or_repeated_updates(slurm, tmp_path, 
     itself; the requeued job resumes from the last checkpoint and stops at max_update."""
     max_update = 120  # room to signal the job after its first checkpoint, well before its end
     save, log = tmp_path / "save", tmp_path / "save" / "hydra_train.log"
-    job = submit(slurm, TWO_CPU_RANKS + ["--output", tmp_path / "job.out"], PRETRAIN_SBATCH,
-                 pretrain_args(save, wikitext_bin, max_update), cwd=tmp_path)
+    job = submit(
+        slurm,
+        TWO_CPU_RANKS + ["--output", tmp_path / "job.out"],
+        PRETRAIN_SBATCH,
+        pretrain_args(save, wikitext_bin, max_update),
+        cwd=tmp_path,
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         done = updates(records(log, "train_inner"))
@@ -191,7 +227,7 @@ def test_requeued_job_resumes_without_lost_or_repeated_updates(slurm, tmp_path, 
     assert redone == list(range(checkpoint + 1, max_update + 1))  # nothing skipped, nothing twice
     assert done[:checkpoint] + redone == list(range(1, max_update + 1))
     lost = range(checkpoint + 1, done[-1] + 1)  # redone from the same state on the same batches
-    assert [losses(before)[u] for u in lost] == [losses(after)[u] for u in lost]
+    assert [by_update(before)[u] for u in lost] == [by_update(after)[u] for u in lost]
     state = torch.load(save / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     assert state["optimizer_history"][-1]["num_updates"] == max_update
 
@@ -199,12 +235,28 @@ def test_requeued_job_resumes_without_lost_or_repeated_updates(slurm, tmp_path, 
 def test_finetune_array_and_results_table(slurm, slurm_pretrained, tmp_path, wikitext_bin):
     """sbatch --array=0-1 scripts/slurm/finetune.sbatch: SST-2 with seeds 1 and 2 from the
     checkpoint, with the data where data-prep puts it (data-bin/SST-2-bin under the submit folder)."""
-    sst2_bin(tmp_path / "data-bin" / "SST-2-bin", wikitext_bin)
+    build_sst2_bin(tmp_path / "data-bin" / "SST-2-bin", wikitext_bin)
     pretrained = slurm_pretrained[0] / "checkpoint_last.pt"
-    job = submit(slurm, ["--array=0-1", "--gpus", "0", "--cpus-per-task", "1", "--output", tmp_path / "%x-%A_%a.out"],
-                 FINETUNE_SBATCH, ["--cpu", "--global-batch", "16", "--batch-size", "16", "--tasks", "sst_2",
-                                   "--seeds", "1,2", pretrained, "optimization.max_epoch=1", "optimization.lr=[0.001]"],
-                 cwd=tmp_path)
+    job = submit(
+        slurm,
+        ["--array=0-1", "--gpus", "0", "--cpus-per-task", "1", "--output", tmp_path / "%x-%A_%a.out"],
+        FINETUNE_SBATCH,
+        [
+            "--cpu",
+            "--global-batch",
+            "16",
+            "--batch-size",
+            "16",
+            "--tasks",
+            "sst_2",
+            "--seeds",
+            "1,2",
+            pretrained,
+            "optimization.max_epoch=1",
+            "optimization.lr=[0.001]",
+        ],
+        cwd=tmp_path,
+    )
     states = wait(slurm, job)
     outputs = {i: (tmp_path / f"linformer-finetune-{job}_{i}.out").read_text() for i in (0, 1)}
     assert sorted(states) == [f"{job}_0", f"{job}_1"]
@@ -219,14 +271,23 @@ def test_finetune_array_and_results_table(slurm, slurm_pretrained, tmp_path, wik
     assert re.fullmatch(r"\| two-ranks \| \d+\.\d ± \d+\.\d \(2\) \| \d+\.\d\d \|", table[2]), table
 
 
-@pytest.mark.parametrize("args, message", [
-    (["nope", "."], "error: no config "),
-    ([CONFIG, "/no/such/data"], "error: data folder /no/such/data does not exist"),
-], ids=["config", "data"])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["nope", "."], "error: no config "),
+        ([CONFIG, "/no/such/data"], "error: data folder /no/such/data does not exist"),
+    ],
+    ids=["config", "data"],
+)
 def test_bad_input_fails_the_job_at_once_with_the_launchers_message(slurm, tmp_path, args, message):
     start = time.monotonic()
-    job = submit(slurm, TWO_CPU_RANKS + ["--output", tmp_path / "job.out"], PRETRAIN_SBATCH,
-                 [*CPU_BATCH, "--save-dir", tmp_path / "save", *args], cwd=tmp_path)
+    job = submit(
+        slurm,
+        TWO_CPU_RANKS + ["--output", tmp_path / "job.out"],
+        PRETRAIN_SBATCH,
+        [*CPU_BATCH, "--save-dir", tmp_path / "save", *args],
+        cwd=tmp_path,
+    )
     states = wait(slurm, job, timeout=120)
     output = (tmp_path / "job.out").read_text()
     assert states[job][:2] == ("FAILED", "2:0"), output

@@ -1,37 +1,53 @@
 """scripts/attention_spectrum.py: the spectrum of a context mapping of known rank, end to end
 on tiny RoBERTa and Linformer checkpoints, and on binarized real text."""
+
 import json
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_script
 from omegaconf import OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import _common  # noqa: E402
-import attention_spectrum as spectrum  # noqa: E402
+from linformer_tools import models
 
-TINY = ["--encoder-layers", "2", "--encoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",
-        "--encoder-attention-heads", "4", "--max-positions", "32"]  # fmt: skip
+spectrum = load_script("attention_spectrum")
+
+TINY = [
+    "--encoder-layers",
+    "2",
+    "--encoder-embed-dim",
+    "32",
+    "--encoder-ffn-embed-dim",
+    "64",
+    "--encoder-attention-heads",
+    "4",
+    "--max-positions",
+    "32",
+]
 ARCHS = {"roberta": ("roberta_base", []), "linformer": ("linformer_roberta_base", ["--compressed-dim", "16"])}
 
 
 def save_checkpoint(model, cfg, path):
     """The parts of a fairseq-train checkpoint that loading reads."""
-    torch.save({
-        "args": None, "cfg": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "model": model.state_dict(),
-        "optimizer_history": [{"criterion_name": "MaskedLmLoss", "optimizer_name": "none",
-                               "lr_scheduler_state": {}, "num_updates": 0}],
-        "extra_state": {},
-    }, path)  # fmt: skip
+    torch.save(
+        {
+            "args": None,
+            "cfg": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+            "model": model.state_dict(),
+            "optimizer_history": [
+                {"criterion_name": "MaskedLmLoss", "optimizer_name": "none", "lr_scheduler_state": {}, "num_updates": 0}
+            ],
+            "extra_state": {},
+        },
+        path,
+    )
 
 
 def tiny_checkpoint(name, data_dir, path, blind_to_position=False):
     torch.manual_seed(0)
     arch, extra = ARCHS[name]
-    model, cfg = _common.build_model(arch, TINY + extra, data_dir)
+    model, cfg = models.build_model(arch, TINY + extra, data_dir)
     if blind_to_position:
         with torch.no_grad():
             for key, weight in model.named_parameters():
@@ -65,15 +81,27 @@ def test_rank_r_context_mapping_has_all_its_mass_at_index_r():
 def test_tokens_of_r_types_give_rank_r_in_every_layer_and_head(name, tmp_path):
     # Without positional embeddings a position's state depends only on its token, so a text
     # of r distinct tokens (<s>, </s> and three words) gives context mappings of rank r.
-    _common.write_dict(tmp_path, [f"w{i}" for i in range(20)])
+    models.write_dict(tmp_path, [f"w{i}" for i in range(20)])
     ckpt = tiny_checkpoint(name, tmp_path, tmp_path / "model.pt", blind_to_position=True)
     rng = random.Random(0)
     lines = [" ".join(rng.choice(["w0", "w1", "w2"]) for _ in range(rng.randint(3, 7))) for _ in range(60)]
     (tmp_path / "text.txt").write_text("\n".join(lines) + "\n")
     r = 5
     out = tmp_path / "out"
-    spectrum.main(["--checkpoint", str(ckpt), "--text", str(tmp_path / "text.txt"), "--index", str(r),
-                   "--max-sentences", "6", "--out-dir", str(out)])  # fmt: skip
+    spectrum.main(
+        [
+            "--checkpoint",
+            str(ckpt),
+            "--text",
+            str(tmp_path / "text.txt"),
+            "--index",
+            str(r),
+            "--max-sentences",
+            "6",
+            "--out-dir",
+            str(out),
+        ]
+    )
 
     result = json.loads((out / "spectrum.json").read_text())
     assert result["sentences"] == 6 and result["seq_len"] == 32 and len(result["layers"]) == 2
@@ -91,8 +119,24 @@ def test_binarized_text_curves_and_summary(wikitext_bin, tmp_path):
     # the checkpoint's cfg points at wikitext_bin, so its dict.txt is found without --data
     ckpt = tiny_checkpoint("roberta", wikitext_bin, tmp_path / "model.pt")
     out = tmp_path / "out"
-    spectrum.main(["--checkpoint", str(ckpt), "--data-bin", str(wikitext_bin), "--seq-len", "24", "--index", "8",
-                   "--max-sentences", "5", "--batch-size", "2", "--out-dir", str(out)])  # fmt: skip
+    spectrum.main(
+        [
+            "--checkpoint",
+            str(ckpt),
+            "--data-bin",
+            str(wikitext_bin),
+            "--seq-len",
+            "24",
+            "--index",
+            "8",
+            "--max-sentences",
+            "5",
+            "--batch-size",
+            "2",
+            "--out-dir",
+            str(out),
+        ]
+    )
 
     result = json.loads((out / "spectrum.json").read_text())
     assert result["sentences"] == 5 and result["index"] == 8
@@ -107,7 +151,7 @@ def test_binarized_text_curves_and_summary(wikitext_bin, tmp_path):
 
 
 def test_bad_inputs_fail_naming_the_value(tmp_path):
-    _common.write_dict(tmp_path, ["w0", "w1"])
+    models.write_dict(tmp_path, ["w0", "w1"])
     ckpt = tiny_checkpoint("roberta", tmp_path, tmp_path / "model.pt")
     (tmp_path / "short.txt").write_text("w0 w1 w0\n")
     base = ["--checkpoint", str(ckpt), "--out-dir", str(tmp_path / "out")]

@@ -1,6 +1,7 @@
 """scripts/study_quality.sh end to end at tiny size on the bundled sample: data, pretraining,
 the short-input table, SST-2 finetuning over seeds, timing and the report; resuming a
 finished study redoes nothing; another study's settings in the same folder are refused."""
+
 import json
 import subprocess
 import sys
@@ -12,10 +13,35 @@ pytestmark = pytest.mark.slow
 
 
 def study(out, *extra):
-    return [sys.executable, REPO / "scripts" / "study_quality.py", "--out", out, "--size", "tiny",
-            "--wikitext", SAMPLE / "wikitext-2", "--books", SAMPLE / "books", "--sst2", SAMPLE / "glue" / "SST-2",
-            "--vocab-size", "1000", "--sst2-train-rows", "200", "--finetune-epochs", "1", "--seeds", "2",
-            "--eval-blocks", "20", "--valid-batches", "2", "--lr", "5e-3", *extra]
+    return [
+        sys.executable,
+        REPO / "scripts" / "study_quality.py",
+        "--out",
+        out,
+        "--size",
+        "tiny",
+        "--wikitext",
+        SAMPLE / "wikitext-2",
+        "--books",
+        SAMPLE / "books",
+        "--sst2",
+        SAMPLE / "glue" / "SST-2",
+        "--vocab-size",
+        "1000",
+        "--sst2-train-rows",
+        "200",
+        "--finetune-epochs",
+        "1",
+        "--seeds",
+        "2",
+        "--eval-blocks",
+        "20",
+        "--valid-batches",
+        "2",
+        "--lr",
+        "5e-3",
+        *extra,
+    ]
 
 
 def test_study_runs_end_to_end_and_resumes(tmp_path):

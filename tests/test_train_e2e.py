@@ -2,18 +2,29 @@
 --user-dir and --arch linformer_roberta_base (shrunk by flags) learns, resumes from
 checkpoint_last.pt, loads through the hub interface; fairseq-hydra-train runs the same model
 from a yaml config."""
+
 import re
 import sys
-from pathlib import Path
 
+import pytest
 import torch
 import yaml
 from conftest import REPO, run
 
 import linformer_fairseq  # noqa: F401
 
-SMALL = dict(encoder_layers=2, encoder_embed_dim=64, encoder_ffn_embed_dim=128, encoder_attention_heads=4,
-             max_positions=64, compressed_dim=16, compress_sharing="kv", compress_length_norm="sqrt")
+pytestmark = pytest.mark.slow  # end-to-end training runs
+
+SMALL = dict(
+    encoder_layers=2,
+    encoder_embed_dim=64,
+    encoder_ffn_embed_dim=128,
+    encoder_attention_heads=4,
+    max_positions=64,
+    compressed_dim=16,
+    compress_sharing="kv",
+    compress_length_norm="sqrt",
+)
 
 
 def flag(name):
@@ -23,19 +34,59 @@ def flag(name):
 def train_cmd(data, save_dir, max_update):
     model_flags = [str(x) for key, value in SMALL.items() for x in (flag(key), value)]
     return [
-        sys.executable, "-m", "fairseq_cli.train", data, "--user-dir", REPO / "linformer_fairseq",
-        "--arch", "linformer_roberta_base", "--task", "masked_lm", "--criterion", "masked_lm",
-        *model_flags, "--tokens-per-sample", "64", "--batch-size", "16",
-        "--optimizer", "adam", "--lr", "1e-3", "--lr-scheduler", "polynomial_decay",
-        "--warmup-updates", "5", "--total-num-update", "60", "--max-update", str(max_update),
-        "--validate-interval-updates", "15", "--save-interval-updates", "15", "--no-epoch-checkpoints",
-        "--save-dir", save_dir, "--log-format", "simple", "--log-interval", "5", "--cpu",
-        "--num-workers", "0", "--seed", "3",
+        sys.executable,
+        "-m",
+        "fairseq_cli.train",
+        data,
+        "--user-dir",
+        REPO / "linformer_fairseq",
+        "--arch",
+        "linformer_roberta_base",
+        "--task",
+        "masked_lm",
+        "--criterion",
+        "masked_lm",
+        *model_flags,
+        "--tokens-per-sample",
+        "64",
+        "--batch-size",
+        "16",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "1e-3",
+        "--lr-scheduler",
+        "polynomial_decay",
+        "--warmup-updates",
+        "5",
+        "--total-num-update",
+        "60",
+        "--max-update",
+        str(max_update),
+        "--validate-interval-updates",
+        "15",
+        "--save-interval-updates",
+        "15",
+        "--no-epoch-checkpoints",
+        "--save-dir",
+        save_dir,
+        "--log-format",
+        "simple",
+        "--log-interval",
+        "5",
+        "--cpu",
+        "--num-workers",
+        "0",
+        "--seed",
+        "3",
     ]
 
 
 def valid_losses(log):
-    return [(int(u), float(l)) for l, u in re.findall(r"valid on 'valid' subset \| loss ([\d.]+) .*? num_updates (\d+)", log)]
+    return [
+        (int(u), float(l))
+        for l, u in re.findall(r"valid on 'valid' subset \| loss ([\d.]+) .*? num_updates (\d+)", log)
+    ]
 
 
 def test_fairseq_train_learns_resumes_and_loads_through_the_hub(wikitext_bin, tmp_path):
@@ -76,11 +127,13 @@ def check_hub_against_checkpoint(checkpoint, data):
     from linformer_fairseq.models.linformer_roberta import LinformerRobertaModel
 
     hub = LinformerRobertaModel.from_pretrained(str(checkpoint.parent), checkpoint.name, str(data), bpe=None).eval()
-    assert hub.model.encoder.args.compress_sharing == "kv"
+    assert hub.model.encoder.sentence_encoder.linformer.sharing == "kv"
     # the length handling it was trained with (not the default) comes back with the weights
     powers = {m.length_power for m in hub.model.modules() if hasattr(m, "length_power")}
     assert powers == {0.5}, powers
-    (model,), cfg, task = checkpoint_utils.load_model_ensemble_and_task([str(checkpoint)], arg_overrides={"data": str(data)})
+    (model,), cfg, task = checkpoint_utils.load_model_ensemble_and_task(
+        [str(checkpoint)], arg_overrides={"data": str(data)}
+    )
     model.eval()
     torch.manual_seed(0)
     fresh = task.build_model(cfg.model).eval()
@@ -115,8 +168,13 @@ def check_hub_against_checkpoint(checkpoint, data):
 
 def test_fairseq_hydra_train_with_yaml(wikitext_bin, tmp_path):
     config = {
-        "common": {"user_dir": str(REPO / "linformer_fairseq"), "cpu": True, "seed": 3, "log_format": "simple",
-                   "log_interval": 5},
+        "common": {
+            "user_dir": str(REPO / "linformer_fairseq"),
+            "cpu": True,
+            "seed": 3,
+            "log_format": "simple",
+            "log_interval": 5,
+        },
         "task": {"_name": "masked_lm", "data": str(wikitext_bin), "tokens_per_sample": 64},
         "criterion": "masked_lm",
         "dataset": {"batch_size": 16, "num_workers": 0, "validate_interval_updates": 20},
@@ -127,8 +185,17 @@ def test_fairseq_hydra_train_with_yaml(wikitext_bin, tmp_path):
         "model": {"_name": "linformer_roberta", **SMALL, "compress_sharing": "layerwise", "compress_type": "mean"},
     }
     (tmp_path / "pretrain.yaml").write_text(yaml.safe_dump(config))
-    log = run(["fairseq-hydra-train", "--config-dir", tmp_path, "--config-name", "pretrain",
-               f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=tmp_path).stdout
+    log = run(
+        [
+            "fairseq-hydra-train",
+            "--config-dir",
+            tmp_path,
+            "--config-name",
+            "pretrain",
+            f"hydra.run.dir={tmp_path / 'hydra'}",
+        ],
+        cwd=tmp_path,
+    ).stdout
     losses = valid_losses(log)
     assert [u for u, _ in losses] == [20, 40], log[-3000:]
     assert losses[-1][1] < losses[0][1], losses

@@ -10,11 +10,22 @@ import shutil
 from pathlib import Path
 
 from .common import (
-    PrepError, Recipe, atomic, cli, default_workers, fail, fairseq_preprocess, log, parser,
-    preprocess_argv, read_lines, remove, require_file,
+    PrepError,
+    Recipe,
+    atomic,
+    bad_input,
+    cli,
+    default_workers,
+    fairseq_preprocess,
+    log,
+    parser,
+    preprocess_argv,
+    read_documents,
+    read_lines,
+    remove,
+    require_file,
+    write_document,
 )
-from .corpus import read_documents, write_document
-
 
 # Encoded text has almost every token in dict.txt; raw text has most of its words outside.
 MAX_UNK_RATE = 0.2
@@ -25,8 +36,7 @@ def binarize(train, valid, srcdict, destdir, shards, workers, max_unk_rate=MAX_U
     destdir = Path(destdir)
     names = [destdir / f"shard{k}" for k in range(shards)]
     train, valid, srcdict = (require_file(p) for p in (train, valid, srcdict))
-    recipe = Recipe("binarizing", {"train": train, "valid": valid, "srcdict": srcdict},
-                    shards=shards)
+    recipe = Recipe("binarizing", {"train": train, "valid": valid, "srcdict": srcdict}, shards=shards)
     if all([recipe.done(d) for d in names]):  # each one checked: a stale shard stops the run
         return names
     for text in (train, valid):
@@ -41,8 +51,9 @@ def binarize(train, valid, srcdict, destdir, shards, workers, max_unk_rate=MAX_U
             log(f"binarizing shard {k + 1}/{shards}")
             with atomic(name, recipe) as tmp:
                 # valid is binarized once, with shard0, and hard-linked into the others
-                fairseq_preprocess(preprocess_argv(srcdict, tmp, workers, trainpref=text,
-                                                   validpref=None if k else valid))
+                fairseq_preprocess(
+                    preprocess_argv(srcdict, tmp, workers, trainpref=text, validpref=None if k else valid)
+                )
                 for f in ("valid.bin", "valid.idx") if k else ():
                     _link(names[0] / f, tmp / f)
     finally:
@@ -64,10 +75,14 @@ def check_encoded(path, srcdict, max_unk_rate):
             break
     rate = unknown / max(tokens, 1)
     if rate > max_unk_rate:
-        fail(path, None, f"{rate:.0%} of its first {tokens:,} tokens are not in the dictionary "
-             f"{srcdict} and would become <unk>: was this text never encoded with spm.sh "
-             f"encode (or encoded with another model)? Encode it first, or give --max-unk-rate "
-             f"{min(1, rate + 0.01):.2f} to binarize it anyway")
+        bad_input(
+            path,
+            None,
+            f"{rate:.0%} of its first {tokens:,} tokens are not in the dictionary "
+            f"{srcdict} and would become <unk>: was this text never encoded with spm.sh "
+            f"encode (or encoded with another model)? Encode it first, or give --max-unk-rate "
+            f"{min(1, rate + 0.01):.2f} to binarize it anyway",
+        )
     log(f"{path}: {rate:.2%} of the first {tokens:,} tokens are not in the dictionary")
 
 
@@ -82,7 +97,7 @@ def split_documents(train, out_dir, shards):
     """Write N text files of whole documents; fail if there are fewer documents than N."""
     n = sum(1 for _ in read_documents(train))
     if n < shards:
-        fail(train, None, f"{n} documents cannot fill {shards} shards")
+        bad_input(train, None, f"{n} documents cannot fill {shards} shards")
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"shard{k}.txt" for k in range(shards)]
     files = [open(p, "w") for p in paths]
@@ -103,14 +118,17 @@ def main():
     p.add_argument("--destdir", required=True, type=Path, help="output folder of the shards")
     p.add_argument("--shards", type=int, default=1, help="number of train shards")
     p.add_argument("--workers", type=int, default=default_workers(), help="fairseq-preprocess workers")
-    p.add_argument("--max-unk-rate", type=float, default=MAX_UNK_RATE,
-                   help="stop if more of the tokens than this are not in --srcdict (a sign of "
-                        "text that was never encoded); 1 accepts any text")
+    p.add_argument(
+        "--max-unk-rate",
+        type=float,
+        default=MAX_UNK_RATE,
+        help="stop if more of the tokens than this are not in --srcdict (a sign of "
+        "text that was never encoded); 1 accepts any text",
+    )
     args = p.parse_args()
     if args.shards < 1:
         raise PrepError(f"--shards must be at least 1, got {args.shards}")
-    binarize(args.train, args.valid, args.srcdict, args.destdir, args.shards, args.workers,
-             args.max_unk_rate)
+    binarize(args.train, args.valid, args.srcdict, args.destdir, args.shards, args.workers, args.max_unk_rate)
 
 
 if __name__ == "__main__":

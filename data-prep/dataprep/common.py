@@ -7,7 +7,6 @@ import http.client
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -16,12 +15,16 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+from linformer_tools.common import atomic as atomic_output
+from linformer_tools.common import fail, remove, write_text
+
 
 class PrepError(Exception):
     """Bad input or a failed step; the message names the file (and line) at fault."""
 
 
-def fail(path, line, message):
+def bad_input(path, line, message):
+    """Raise PrepError naming the file (and line) at fault; cli() turns it into one line."""
     where = f"{path}:{line}" if line else str(path)
     raise PrepError(f"{where}: {message}")
 
@@ -31,25 +34,25 @@ def log(message):
 
 
 def cli(main):
-    """Run main(); turn PrepError into one 'error: ...' line and exit status 1."""
+    """Run main(); turn PrepError into one 'error: ...' line and exit status 2."""
     try:
         main()
     except PrepError as e:
-        log(f"error: {e}")
-        sys.exit(1)
+        fail(str(e))
 
 
 def parser(description):
     return argparse.ArgumentParser(
         prog=os.environ.get("DATAPREP_PROG"),  # the *.sh wrapper's name
-        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=description,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
 
 
 def require_file(path, what="input file"):
     path = Path(path)
     if not path.is_file():
-        fail(path, None, f"{what} not found")
+        bad_input(path, None, f"{what} not found")
     return path
 
 
@@ -68,14 +71,21 @@ def read_lines(path, encoding="utf-8"):
                 line = raw.decode(encoding)
             except UnicodeDecodeError as e:
                 hint = "; for Latin-1/cp1252 books give --books-encoding cp1252 (or auto)"
-                fail(path, lineno, f"not valid {'UTF-8' if utf8 else encoding} "
-                     f"({e.reason} at byte {e.start}){hint if utf8 else ''}")
+                bad_input(
+                    path,
+                    lineno,
+                    f"not valid {'UTF-8' if utf8 else encoding} ({e.reason} at byte {e.start}){hint if utf8 else ''}",
+                )
             if lineno == 1:
                 line = line.removeprefix("\ufeff")  # MRPC's files start with a BOM
             line = line.rstrip("\r\n")
             if not utf8 and (bad := CONTROL.search(line)):
-                fail(path, lineno, f"not text in {encoding} (control character "
-                     f"U+{ord(bad.group()):04X}): wrong --books-encoding, or not a text file")
+                bad_input(
+                    path,
+                    lineno,
+                    f"not text in {encoding} (control character "
+                    f"U+{ord(bad.group()):04X}): wrong --books-encoding, or not a text file",
+                )
             yield lineno, line
 
 
@@ -91,14 +101,6 @@ def guess_encoding(path, fallback="cp1252"):
     except UnicodeDecodeError:
         log(f"{path}: not UTF-8, read as {fallback}")
         return fallback
-
-
-def remove(path):
-    path = Path(path)
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
 
 
 def finished(path, what):
@@ -175,8 +177,10 @@ class Recipe:
     @property
     def inputs(self):  # computed once, and only when needed (it may hash files)
         if self._inputs is None:
-            self._inputs = {k: [identity(p) for p in v] if isinstance(v, (list, tuple))
-                            else identity(v) for k, v in self.paths.items()}
+            self._inputs = {
+                k: [identity(p) for p in v] if isinstance(v, (list, tuple)) else identity(v)
+                for k, v in self.paths.items()
+            }
         return self._inputs
 
     def done(self, output):
@@ -185,7 +189,7 @@ class Recipe:
         output = Path(output)
         self._check_not_an_input(output)
         if not output.exists():
-            self.inputs  # identify the inputs now, before the work reads them
+            _ = self.inputs  # identify the inputs now, before the work reads them
             return False
         record = record_path(output, output.is_dir())
         if not record.is_file() and os.environ.get("DATAPREP_ADOPT") == "1":
@@ -193,21 +197,31 @@ class Recipe:
             self.write(output, output.is_dir())
             log(f"adopted {output}: recorded it as made from the current inputs")
         if not record.is_file():
-            fail(output, None, f"exists, but with no record of what made it ({record.name}); "
-                 f"delete it to redo the {self.what}, choose another output, or run with "
-                 "DATAPREP_ADOPT=1 if you know it was made from these inputs")
+            bad_input(
+                output,
+                None,
+                f"exists, but with no record of what made it ({record.name}); "
+                f"delete it to redo the {self.what}, choose another output, or run with "
+                "DATAPREP_ADOPT=1 if you know it was made from these inputs",
+            )
         old = json.loads(record.read_text())
         changes = self._changes(old.get("inputs", {}), old.get("params", {}))
         if changes:
-            fail(output, None, f"made from other inputs or parameters ({'; '.join(changes)}); "
-                 f"delete it to redo the {self.what}, or choose another output")
+            bad_input(
+                output,
+                None,
+                f"made from other inputs or parameters ({'; '.join(changes)}); "
+                f"delete it to redo the {self.what}, or choose another output",
+            )
         log(f"skip {self.what}: {output} is up to date")
         return True
 
     def _changes(self, inputs, params):
-        changes = [f"{k} {params.get(k, 'unset')} -> {self.params.get(k, 'unset')}"
-                   for k in sorted(set(params) | set(self.params))
-                   if params.get(k) != self.params.get(k)]
+        changes = [
+            f"{k} {params.get(k, 'unset')} -> {self.params.get(k, 'unset')}"
+            for k in sorted(set(params) | set(self.params))
+            if params.get(k) != self.params.get(k)
+        ]
         for k in sorted(set(inputs) | set(self.inputs)):
             if not _same(inputs.get(k), self.inputs.get(k)):
                 paths = self.paths.get(k, "(none)")
@@ -221,39 +235,24 @@ class Recipe:
             for p in paths if isinstance(paths, (list, tuple)) else [paths]:
                 p = Path(p).resolve()
                 if p == out:
-                    fail(output, None, f"the output is also the {name} input; "
-                         "choose another output")
+                    bad_input(output, None, f"the output is also the {name} input; choose another output")
                 if out in p.parents:
-                    fail(output, None, f"the output folder holds the {name} input {p}; "
-                         "choose another output")
+                    bad_input(output, None, f"the output folder holds the {name} input {p}; choose another output")
 
     def write(self, output, is_dir, **extra):
         record = record_path(output, is_dir)
-        text = json.dumps({"step": self.what, "inputs": self.inputs, "params": self.params,
-                           **extra}, indent=2) + "\n"
-        tmp = record.with_name(f".{record.name}.partial")
-        tmp.write_text(text)
-        os.replace(tmp, record)
+        text = json.dumps({"step": self.what, "inputs": self.inputs, "params": self.params, **extra}, indent=2) + "\n"
+        write_text(record, text)
 
 
 @contextmanager
 def atomic(final, recipe=None):
-    """Yield a hidden temporary sibling of `final` (a file or a folder) and rename it onto
-    `final` only when the block completes: a killed or failed step never leaves something
-    under the final name, so a later run can trust that a present output is complete.
-    With a `recipe`, its record is saved first (inside a folder, beside a file)."""
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.partial")
-    remove(tmp)  # left over by a killed run
-    try:
+    """linformer_tools.common.atomic, saving the `recipe`'s record first (inside a folder,
+    beside a file) when one is given."""
+    with atomic_output(final) as tmp:
         yield tmp
         if recipe:
             recipe.write(tmp if tmp.is_dir() else final, tmp.is_dir())
-    except BaseException:
-        remove(tmp)
-        raise
-    os.replace(tmp, final)
 
 
 class Progress:
@@ -320,8 +319,12 @@ def check_sha1(path, sha1, name=None):
     log(f"checking the sha1 of {path}")
     got = file_hash(path, "sha1")
     if got != sha1.lower():
-        fail(name or path, None, f"sha1 {got} is not the expected {sha1.lower()}"
-             + ("; the download was deleted, run again to fetch it anew" if name else ""))
+        bad_input(
+            name or path,
+            None,
+            f"sha1 {got} is not the expected {sha1.lower()}"
+            + ("; the download was deleted, run again to fetch it anew" if name else ""),
+        )
 
 
 def _fetch(url, part, offer_path, chunk_size):
@@ -334,11 +337,9 @@ def _fetch(url, part, offer_path, chunk_size):
         validator = _if_range(saved) if have else None
         if validator:  # then the server itself sends all (200) if its file is another one now
             headers["If-Range"] = validator
-        log(f"downloading {url} -> {part.with_suffix('')}" +
-            (f" (resuming at {have:,} bytes)" if have else ""))
+        log(f"downloading {url} -> {part.with_suffix('')}" + (f" (resuming at {have:,} bytes)" if have else ""))
         try:
-            response = urllib.request.urlopen(urllib.request.Request(url, headers=headers),
-                                              timeout=60)
+            response = urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60)
         except urllib.error.HTTPError as e:
             if e.code != 416 or not have:  # 416: no bytes after `have`, complete if unchanged
                 raise
@@ -364,9 +365,12 @@ def _fetch(url, part, offer_path, chunk_size):
 
 
 def _offer(url, response, have):
-    return {"url": url, "etag": response.headers.get("ETag"),
-            "last_modified": response.headers.get("Last-Modified"),
-            "length": _total_length(response, have)}
+    return {
+        "url": url,
+        "etag": response.headers.get("ETag"),
+        "last_modified": response.headers.get("Last-Modified"),
+        "length": _total_length(response, have),
+    }
 
 
 def _if_range(saved):
@@ -427,9 +431,7 @@ def url_name(url):
 
 def run(cmd, what):
     """Run a subprocess quietly; on failure show its output tail and name the step."""
-    result = subprocess.run(
-        [str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    result = subprocess.run([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if result.returncode != 0:
         tail = "\n".join(result.stdout.splitlines()[-20:])
         raise PrepError(f"{what} failed (exit {result.returncode}):\n{tail}")
@@ -439,36 +441,61 @@ def run(cmd, what):
 def preprocess_argv(srcdict, destdir, workers, trainpref=None, validpref=None, testpref=None):
     """Arguments of `fairseq-preprocess --only-source --srcdict` for one output folder."""
     argv = ["--only-source", "--srcdict", srcdict, "--destdir", destdir, "--workers", workers]
-    for flag, pref in (("--trainpref", trainpref), ("--validpref", validpref),
-                       ("--testpref", testpref)):
+    for flag, pref in (("--trainpref", trainpref), ("--validpref", validpref), ("--testpref", testpref)):
         if pref:
             argv += [flag, pref]
     return [str(a) for a in argv]
 
 
-# fairseq-preprocess's own main() for several folders in one process: importing fairseq
-# takes seconds, more than binarizing a small GLUE task.
-_PREPROCESS_MANY = """
-import json, sys
-from fairseq import options
-from fairseq_cli import preprocess
-for argv in json.loads(sys.argv[1]):
-    preprocess.main(options.get_preprocessing_parser().parse_args(argv))
-    for handler in preprocess.logger.handlers[:]:  # main() adds a log file per destdir
-        preprocess.logger.removeHandler(handler)
-        handler.close()
-"""
-
-
 def fairseq_preprocess(*argvs):
-    """Run fairseq-preprocess once per argv (see preprocess_argv); log its per-file summary."""
+    """Run fairseq-preprocess once per argv (see preprocess_argv) in one child process (importing
+    fairseq takes seconds, more than binarizing a small GLUE task); log its per-file summary."""
     destdirs = ", ".join(argv[argv.index("--destdir") + 1] for argv in argvs)
-    output = run([sys.executable, "-c", _PREPROCESS_MANY, json.dumps(list(argvs))],
-                 f"fairseq-preprocess into {destdirs}")
+    output = run(
+        [sys.executable, "-m", "dataprep.common", json.dumps(list(argvs))], f"fairseq-preprocess into {destdirs}"
+    )
     for line in output.splitlines():
         if "replaced" in line:  # "[None] FILE: N sents, M tokens, X% replaced (by <unk>)"
             log("  " + line.split("| ")[-1])
 
 
+def _preprocess_many(argvs):
+    """fairseq-preprocess's own main() for each argv; the child of fairseq_preprocess."""
+    from fairseq import options
+    from fairseq_cli import preprocess
+
+    for argv in argvs:
+        preprocess.main(options.get_preprocessing_parser().parse_args(argv))
+        for handler in preprocess.logger.handlers[:]:  # main() adds a log file per destdir
+            preprocess.logger.removeHandler(handler)
+            handler.close()
+
+
 def default_workers():
     return max(1, min(os.cpu_count() or 1, 8))
+
+
+# ---------------------------------------------------------------- the corpus format
+# One document per block of non-empty lines, blocks separated by an empty line: what corpus.py
+# writes and binarize.py shards.
+
+
+def write_document(f, lines):
+    f.write("\n".join(lines) + "\n\n")
+
+
+def read_documents(path):
+    """Yield the documents (lists of lines) of a corpus file in our layout."""
+    doc = []
+    for _, line in read_lines(path):
+        if line:
+            doc.append(line)
+        elif doc:
+            yield doc
+            doc = []
+    if doc:
+        yield doc
+
+
+if __name__ == "__main__":
+    _preprocess_many(json.loads(sys.argv[1]))

@@ -17,13 +17,25 @@ import sys
 from pathlib import Path
 
 from .common import (
-    PrepError, Progress, Recipe, atomic, check_sha1, cli, fail, fetch_text, guess_encoding,
-    local_or_download, log, parser, read_lines, url_name,
+    PrepError,
+    Progress,
+    Recipe,
+    atomic,
+    bad_input,
+    check_sha1,
+    cli,
+    fetch_text,
+    guess_encoding,
+    local_or_download,
+    log,
+    parser,
+    read_documents,
+    read_lines,
+    url_name,
+    write_document,
 )
 
-WIKI_DUMP_URL = (
-    "https://dumps.wikimedia.org/enwiki/latest/enwiki-latest-pages-articles.xml.bz2"
-)
+WIKI_DUMP_URL = "https://dumps.wikimedia.org/enwiki/latest/enwiki-latest-pages-articles.xml.bz2"
 # Lines that are still list items, tables, templates or indents after wikiextractor.
 MARKUP_LINE = re.compile(r"^\s*[*#:;|!{}=]")
 WIKITEXT_TITLE = re.compile(r"^ = [^=].* = $")
@@ -37,7 +49,8 @@ WIKITEXT_UNK = ("<unk>", "unk")
 # but not after an initial ("J. R. R. Tolkien") or a common title ("Mr. Smith").
 SENTENCE_END = re.compile(
     r"(?<!\b[A-Z])(?<!\bMr)(?<!\bMrs)(?<!\bMs)(?<!\bDr)(?<!\bSt)"
-    r"([.!?][\"')\]]*)\s+(?=[\"'(\[]?[A-Z0-9])")
+    r"([.!?][\"')\]]*)\s+(?=[\"'(\[]?[A-Z0-9])"
+)
 
 
 def clean_lines(lines, min_chars):
@@ -57,6 +70,7 @@ def split_sentences(lines):
 
 # ---------------------------------------------------------------- Wikipedia
 
+
 def extract_wikipedia(dump, out_dir, processes):
     """Run wikiextractor (JSON output, templates not expanded) on a pages-articles dump."""
     recipe = Recipe("wikiextractor", {"dump": dump})
@@ -66,12 +80,22 @@ def extract_wikipedia(dump, out_dir, processes):
         raise PrepError('wikiextractor is not installed: pip install "wikiextractor>=3.1.0"')
     log(f"extracting {dump} with wikiextractor ({processes} processes) -> {out_dir}")
     with atomic(out_dir, recipe) as tmp:
-        cmd = [sys.executable, "-m", "wikiextractor.WikiExtractor", "--json", "--no-templates",
-               "--processes", str(processes), "-o", str(tmp), str(dump)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "wikiextractor.WikiExtractor",
+            "--json",
+            "--no-templates",
+            "--processes",
+            str(processes),
+            "-o",
+            str(tmp),
+            str(dump),
+        ]
         if subprocess.run(cmd).returncode != 0:
-            fail(dump, None, "wikiextractor failed (is this a MediaWiki XML dump?)")
+            bad_input(dump, None, "wikiextractor failed (is this a MediaWiki XML dump?)")
         if not any(tmp.rglob("wiki_*")):
-            fail(dump, None, "wikiextractor found no articles (is this a MediaWiki XML dump?)")
+            bad_input(dump, None, "wikiextractor found no articles (is this a MediaWiki XML dump?)")
     return out_dir
 
 
@@ -101,7 +125,7 @@ def wikipedia_documents(extracted_dir, min_chars):
             try:
                 text = json.loads(line)["text"]
             except (ValueError, KeyError, TypeError):
-                fail(path, lineno, "not a wikiextractor --json record with a 'text' field")
+                bad_input(path, lineno, "not a wikiextractor --json record with a 'text' field")
             yield clean_lines(text.split("\n"), min_chars)
 
 
@@ -119,12 +143,13 @@ def wikitext_documents(path, min_chars):
 
 # ---------------------------------------------------------------- books
 
+
 def book_documents(folder, min_chars, encoding="utf-8"):
     """One document per *.txt book; a paragraph (block between blank lines) becomes one line.
     encoding="auto": UTF-8, or cp1252 (a superset of Latin-1) for a book that is not UTF-8."""
     books = sorted(Path(folder).glob("*.txt"))
     if not books:
-        fail(folder, None, "no *.txt books in this folder")
+        bad_input(folder, None, "no *.txt books in this folder")
     for path in books:
         paragraphs, block = [], []
         for _, line in read_lines(path, guess_encoding(path) if encoding == "auto" else encoding):
@@ -139,22 +164,6 @@ def book_documents(folder, min_chars, encoding="utf-8"):
 
 # ---------------------------------------------------------------- corpus
 
-def write_document(f, lines):
-    f.write("\n".join(lines) + "\n\n")
-
-
-def read_documents(path):
-    """Yield the documents (lists of lines) of a corpus file in our layout."""
-    doc = []
-    for _, line in read_lines(path):
-        if line:
-            doc.append(line)
-        elif doc:
-            yield doc
-            doc = []
-    if doc:
-        yield doc
-
 
 def build_corpus(sources, out_dir, valid_fraction, valid_docs, seed, recipe=None):
     """Write out_dir/{train,valid}.txt and stats.json from an iterable of (source, doc)."""
@@ -166,8 +175,12 @@ def build_corpus(sources, out_dir, valid_fraction, valid_docs, seed, recipe=None
         n = stats["documents"]
         k = valid_docs if valid_docs is not None else max(1, round(n * valid_fraction))
         if n < 2 or not 0 < k < n:
-            fail(out_dir, None, f"cannot hold out {k} of {n} unique documents for valid; "
-                 "give more text or change --valid-docs/--valid-fraction")
+            bad_input(
+                out_dir,
+                None,
+                f"cannot hold out {k} of {n} unique documents for valid; "
+                "give more text or change --valid-docs/--valid-fraction",
+            )
         valid = set(random.Random(seed).sample(range(n), k))
         stats.update(_split(tmp / "all.txt", valid, tmp))
         (tmp / "all.txt").unlink()
@@ -206,7 +219,7 @@ def nonempty(path, documents):
         empty = empty and not doc
         yield source, doc
     if empty:
-        fail(path, None, "empty corpus: no line of at least --min-chars characters")
+        bad_input(path, None, "empty corpus: no line of at least --min-chars characters")
 
 
 def _split(path, valid, out_dir):
@@ -231,26 +244,40 @@ def main():
     p = parser(__doc__)
     p.add_argument("--out", required=True, type=Path, help="output folder (train.txt, valid.txt, stats.json)")
     src = p.add_argument_group("sources (at least one)")
-    src.add_argument("--wiki-dump", metavar="PATH|URL|latest",
-                     help="an enwiki pages-articles *.xml.bz2 dump: a local file, a URL, or "
-                          f"'latest' for {WIKI_DUMP_URL}")
+    src.add_argument(
+        "--wiki-dump",
+        metavar="PATH|URL|latest",
+        help=f"an enwiki pages-articles *.xml.bz2 dump: a local file, a URL, or 'latest' for {WIKI_DUMP_URL}",
+    )
     src.add_argument("--wiki-extracted", type=Path, help="a wikiextractor --json output folder")
     src.add_argument("--wikitext", type=Path, nargs="+", help="WikiText *.tokens files")
-    src.add_argument("--books", type=Path, nargs="+",
-                     help="folders of plain-text books, one book per *.txt file (BookCorpus "
-                          "is no longer distributed: bring your own)")
-    src.add_argument("--books-encoding", default="utf-8", metavar="ENCODING|auto",
-                     help="encoding of the books (e.g. cp1252, latin-1); auto: UTF-8, or "
-                          "cp1252 for a book that is not UTF-8 (logged per book)")
-    p.add_argument("--wiki-sha1", metavar="HEX",
-                   help="sha1 of the dump to check after download (default: the one Wikimedia "
-                        "publishes in <wiki>-<date>-sha1sums.txt beside the dump)")
-    p.add_argument("--work-dir", type=Path,
-                   help="where the dump is downloaded and extracted (default: OUT.work)")
-    p.add_argument("--min-chars", type=int, default=40,
-                   help="drop lines shorter than this (headings, captions, list residue)")
-    p.add_argument("--split-sentences", action="store_true",
-                   help="write one sentence per line instead of one paragraph per line")
+    src.add_argument(
+        "--books",
+        type=Path,
+        nargs="+",
+        help="folders of plain-text books, one book per *.txt file (BookCorpus "
+        "is no longer distributed: bring your own)",
+    )
+    src.add_argument(
+        "--books-encoding",
+        default="utf-8",
+        metavar="ENCODING|auto",
+        help="encoding of the books (e.g. cp1252, latin-1); auto: UTF-8, or "
+        "cp1252 for a book that is not UTF-8 (logged per book)",
+    )
+    p.add_argument(
+        "--wiki-sha1",
+        metavar="HEX",
+        help="sha1 of the dump to check after download (default: the one Wikimedia "
+        "publishes in <wiki>-<date>-sha1sums.txt beside the dump)",
+    )
+    p.add_argument("--work-dir", type=Path, help="where the dump is downloaded and extracted (default: OUT.work)")
+    p.add_argument(
+        "--min-chars", type=int, default=40, help="drop lines shorter than this (headings, captions, list residue)"
+    )
+    p.add_argument(
+        "--split-sentences", action="store_true", help="write one sentence per line instead of one paragraph per line"
+    )
     p.add_argument("--valid-fraction", type=float, default=0.01, help="documents held out for valid")
     p.add_argument("--valid-docs", type=int, help="exact number of valid documents (overrides the fraction)")
     p.add_argument("--seed", type=int, default=1, help="seed of the train/valid split")
@@ -265,16 +292,26 @@ def main():
             p.error(f"--books-encoding: unknown encoding {args.books_encoding!r}")
     for folder in filter(None, [args.wiki_extracted, *(args.books or [])]):
         if not Path(folder).is_dir():
-            fail(folder, None, "folder not found")
+            bad_input(folder, None, "folder not found")
     dump_url = args.wiki_dump and (WIKI_DUMP_URL if args.wiki_dump == "latest" else args.wiki_dump)
     if dump_url and "://" not in dump_url:
         dump_url = None  # a local dump is identified by its size and mtime, not its name
-    recipe = Recipe("corpus", {"wiki_dump": None if dump_url else args.wiki_dump,
-                               "wiki_extracted": args.wiki_extracted, "wikitext": args.wikitext,
-                               "books": args.books},
-                    wiki_dump_url=dump_url, books_encoding=args.books_encoding,
-                    min_chars=args.min_chars, split_sentences=args.split_sentences,
-                    valid_fraction=args.valid_fraction, valid_docs=args.valid_docs, seed=args.seed)
+    recipe = Recipe(
+        "corpus",
+        {
+            "wiki_dump": None if dump_url else args.wiki_dump,
+            "wiki_extracted": args.wiki_extracted,
+            "wikitext": args.wikitext,
+            "books": args.books,
+        },
+        wiki_dump_url=dump_url,
+        books_encoding=args.books_encoding,
+        min_chars=args.min_chars,
+        split_sentences=args.split_sentences,
+        valid_fraction=args.valid_fraction,
+        valid_docs=args.valid_docs,
+        seed=args.seed,
+    )
     if recipe.done(args.out):
         return
     work = args.work_dir or args.out.with_name(args.out.name + ".work")
@@ -291,9 +328,11 @@ def main():
 
     def sources():
         books = functools.partial(book_documents, encoding=args.books_encoding)
-        for kind, reader, inputs in (("wikipedia", wikipedia_documents, extracted),
-                                     ("wikitext", wikitext_documents, args.wikitext or []),
-                                     ("books", books, args.books or [])):
+        for kind, reader, inputs in (
+            ("wikipedia", wikipedia_documents, extracted),
+            ("wikitext", wikitext_documents, args.wikitext or []),
+            ("books", books, args.books or []),
+        ):
             for path in inputs:
                 docs = reader(path, args.min_chars)
                 if args.split_sentences:

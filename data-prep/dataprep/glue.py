@@ -13,8 +13,19 @@ from pathlib import Path
 
 from . import spm
 from .common import (
-    PrepError, Recipe, atomic, cli, default_workers, download, fail, finished, log, parser,
-    read_lines, remove, require_file,
+    PrepError,
+    Recipe,
+    atomic,
+    bad_input,
+    cli,
+    default_workers,
+    download,
+    finished,
+    log,
+    parser,
+    read_lines,
+    remove,
+    require_file,
 )
 from .labelled import Split, write_task
 
@@ -28,43 +39,54 @@ class Task:
     label: str  # label column name
     classes: tuple = BINARY  # label values in class-index order; None: regression
     # fairseq split name -> file name; test files are optional and unlabelled
-    files: dict = field(default_factory=lambda: {"train": "train.tsv", "valid": "dev.tsv",
-                                                 "test": "test.tsv"})
+    files: dict = field(default_factory=lambda: {"train": "train.tsv", "valid": "dev.tsv", "test": "test.tsv"})
     headerless: tuple = ()  # column names of train/dev files that have no header row
     skip_malformed: bool = False  # drop rows with a wrong field count (QQP has a few)
 
 
 TASKS = {
-    "CoLA": Task(("sentence",), "label",
-                 headerless=("source", "label", "original_label", "sentence")),
+    "CoLA": Task(("sentence",), "label", headerless=("source", "label", "original_label", "sentence")),
     "SST-2": Task(("sentence",), "label"),
     "MRPC": Task(("#1 String", "#2 String"), "Quality"),
     "QQP": Task(("question1", "question2"), "is_duplicate", skip_malformed=True),
     "STS-B": Task(("sentence1", "sentence2"), "score", classes=None),
-    "MNLI": Task(("sentence1", "sentence2"), "gold_label",
-                 classes=("contradiction", "entailment", "neutral"),
-                 files={"train": "train.tsv", "valid": "dev_matched.tsv",
-                        "valid1": "dev_mismatched.tsv", "test": "test_matched.tsv",
-                        "test1": "test_mismatched.tsv"}),
+    "MNLI": Task(
+        ("sentence1", "sentence2"),
+        "gold_label",
+        classes=("contradiction", "entailment", "neutral"),
+        files={
+            "train": "train.tsv",
+            "valid": "dev_matched.tsv",
+            "valid1": "dev_mismatched.tsv",
+            "test": "test_matched.tsv",
+            "test1": "test_mismatched.tsv",
+        },
+    ),
     "QNLI": Task(("question", "sentence"), "label", classes=NLI2),
     "RTE": Task(("sentence1", "sentence2"), "label", classes=NLI2),
 }
 STSB_MAX = 5.0
 
 GLUE_URL = "https://dl.fbaipublicfiles.com/glue/data/"
-GLUE_ZIPS = {"CoLA": "CoLA.zip", "SST-2": "SST-2.zip", "QQP": "QQP-clean.zip",
-             "STS-B": "STS-B.zip", "MNLI": "MNLI.zip", "QNLI": "QNLIv2.zip", "RTE": "RTE.zip"}
+GLUE_ZIPS = {
+    "CoLA": "CoLA.zip",
+    "SST-2": "SST-2.zip",
+    "QQP": "QQP-clean.zip",
+    "STS-B": "STS-B.zip",
+    "MNLI": "MNLI.zip",
+    "QNLI": "QNLIv2.zip",
+    "RTE": "RTE.zip",
+}
 # GLUE does not host MRPC: its train/test come from SentEval, its dev ids from GLUE.
 MRPC_FILES = {
-    "msr_paraphrase_train.txt":
-        "https://dl.fbaipublicfiles.com/senteval/senteval_data/msr_paraphrase_train.txt",
-    "msr_paraphrase_test.txt":
-        "https://dl.fbaipublicfiles.com/senteval/senteval_data/msr_paraphrase_test.txt",
+    "msr_paraphrase_train.txt": "https://dl.fbaipublicfiles.com/senteval/senteval_data/msr_paraphrase_train.txt",
+    "msr_paraphrase_test.txt": "https://dl.fbaipublicfiles.com/senteval/senteval_data/msr_paraphrase_test.txt",
     "dev_ids.tsv": GLUE_URL + "mrpc_dev_ids.tsv",
 }
 
 
 # ---------------------------------------------------------------- parsing
+
 
 def read_split(task, path, labelled):
     """(inputs, labels) of one TSV file; labels is None for an unlabelled (test) file."""
@@ -74,12 +96,12 @@ def read_split(task, path, labelled):
     else:
         _, header = next(lines, (1, None))
         if header is None:
-            fail(path, 1, "empty file, expected a header row")
+            bad_input(path, 1, "empty file, expected a header row")
         columns = header.split("\t")
     wanted = list(task.inputs) + ([task.label] if labelled else [])
     missing = [c for c in wanted if c not in columns]
     if missing:
-        fail(path, 1, f"no column {missing[0]!r} in the header {columns}")
+        bad_input(path, 1, f"no column {missing[0]!r} in the header {columns}")
     index = [columns.index(c) for c in wanted]
     inputs, labels, skipped = [[] for _ in task.inputs], [], 0
     for lineno, line in lines:
@@ -88,14 +110,14 @@ def read_split(task, path, labelled):
             if task.skip_malformed:
                 skipped += 1
                 continue
-            fail(path, lineno, f"expected {len(columns)} tab-separated fields, found {len(fields)}")
+            bad_input(path, lineno, f"expected {len(columns)} tab-separated fields, found {len(fields)}")
         values = [fields[i].replace("\r", " ").strip() for i in index]
         for column, text in zip(inputs, values):
             column.append(text)
         if labelled:
             labels.append(_check_label(task, path, lineno, values[-1]))
     if not inputs[0]:
-        fail(path, None, "no data rows")
+        bad_input(path, None, "no data rows")
     if skipped:
         log(f"{path}: skipped {skipped} rows with a wrong number of fields")
     return inputs, labels if labelled else None
@@ -104,16 +126,14 @@ def read_split(task, path, labelled):
 def _check_label(task, path, lineno, label):
     if task.classes:
         if label not in task.classes:
-            fail(path, lineno, f"label {label!r} (column {task.label!r}) is not one of "
-                 f"{', '.join(task.classes)}")
+            bad_input(path, lineno, f"label {label!r} (column {task.label!r}) is not one of {', '.join(task.classes)}")
         return label
     try:
         score = float(label)
     except ValueError:
         score = None
     if score is None or not 0 <= score <= STSB_MAX:
-        fail(path, lineno, f"score {label!r} (column {task.label!r}) is not a number in "
-             f"[0, {STSB_MAX:g}]")
+        bad_input(path, lineno, f"score {label!r} (column {task.label!r}) is not a number in [0, {STSB_MAX:g}]")
     return f"{score / STSB_MAX:g}"
 
 
@@ -133,6 +153,7 @@ def read_task(glue_dir, name):
 
 
 # ---------------------------------------------------------------- download
+
 
 def fetch(glue_dir, name):
     """Download one task into glue_dir/<name>/ (resumable; skipped when the folder exists)."""
@@ -154,10 +175,10 @@ def fetch(glue_dir, name):
             with zipfile.ZipFile(archive) as z:
                 z.extractall(scratch)
         except zipfile.BadZipFile:
-            fail(archive, None, "not a zip archive; delete it and run again")
+            bad_input(archive, None, "not a zip archive; delete it and run again")
         top = [p for p in scratch.iterdir() if p.is_dir()]
         if len(top) != 1:
-            fail(archive, None, "expected one top folder in the zip")
+            bad_input(archive, None, "expected one top folder in the zip")
         top[0].rename(tmp)
         remove(scratch)
 
@@ -174,7 +195,7 @@ def build_mrpc(src, dest):
         for lineno, line in rows:
             fields = line.split("\t")
             if len(fields) != 5:
-                fail(src / "msr_paraphrase_train.txt", lineno, "expected 5 tab-separated fields")
+                bad_input(src / "msr_paraphrase_train.txt", lineno, "expected 5 tab-separated fields")
             (dev if tuple(fields[1:3]) in dev_ids else train).write(line + "\n")
     rows = read_lines(src / "msr_paraphrase_test.txt")
     next(rows)
@@ -186,10 +207,8 @@ def build_mrpc(src, dest):
 
 def main():
     p = parser(__doc__)
-    p.add_argument("--glue-dir", required=True, type=Path,
-                   help="glue_data folder with one sub-folder per task")
-    p.add_argument("--download", action="store_true",
-                   help="download missing tasks into --glue-dir first")
+    p.add_argument("--glue-dir", required=True, type=Path, help="glue_data folder with one sub-folder per task")
+    p.add_argument("--download", action="store_true", help="download missing tasks into --glue-dir first")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     p.add_argument("--spm-model", required=True, type=Path, help="the pretraining spm.model")
     p.add_argument("--srcdict", required=True, type=Path, help="the pretraining dict.txt")
@@ -203,14 +222,23 @@ def main():
             fetch(args.glue_dir, name)  # only if its folder is missing
         if not (args.glue_dir / name).is_dir():
             raise PrepError(f"{args.glue_dir / name}: task folder not found (use --download)")
-        recipe = Recipe(f"{name} task", {"task_folder": args.glue_dir / name,
-                                         "spm_model": args.spm_model, "srcdict": args.srcdict},
-                        task=name)
+        recipe = Recipe(
+            f"{name} task",
+            {"task_folder": args.glue_dir / name, "spm_model": args.spm_model, "srcdict": args.srcdict},
+            task=name,
+        )
         dest = args.destdir / f"{name}-bin"
         if recipe.done(dest):
             continue
-        write_task(dest, read_task(args.glue_dir, name), args.spm_model, args.srcdict,
-                   TASKS[name].classes, args.workers, recipe)
+        write_task(
+            dest,
+            read_task(args.glue_dir, name),
+            args.spm_model,
+            args.srcdict,
+            TASKS[name].classes,
+            args.workers,
+            recipe,
+        )
 
 
 if __name__ == "__main__":

@@ -13,7 +13,14 @@ from pathlib import Path
 
 from . import spm
 from .common import (
-    PrepError, Progress, Recipe, cli, default_workers, fail, local_or_download, parser,
+    PrepError,
+    Progress,
+    Recipe,
+    bad_input,
+    cli,
+    default_workers,
+    local_or_download,
+    parser,
     require_file,
 )
 from .labelled import Split, write_task
@@ -39,29 +46,27 @@ def read_reviews(tarball):
                 try:
                     text = tar.extractfile(member).read().decode("utf-8")
                 except UnicodeDecodeError as e:
-                    fail(f"{tarball}:{member.name}", None, f"not valid UTF-8 ({e.reason})")
+                    bad_input(f"{tarball}:{member.name}", None, f"not valid UTF-8 ({e.reason})")
                 found[split].append((label, int(review_id), " ".join(BREAK.sub(" ", text).split())))
                 progress.update()
     except (tarfile.TarError, EOFError, OSError) as e:
-        fail(tarball, None, f"cannot read the tar archive ({e})")
+        bad_input(tarball, None, f"cannot read the tar archive ({e})")
     progress.close()
     for split, reviews in found.items():
         for label in CLASSES:
             if not any(r[0] == label for r in reviews):
-                fail(tarball, None, f"no aclImdb/{split}/{label}/*.txt reviews: "
-                     "not the aclImdb_v1 layout")
-    return {split: [(label, text) for label, _, text in sorted(reviews)]
-            for split, reviews in found.items()}
+                bad_input(tarball, None, f"no aclImdb/{split}/{label}/*.txt reviews: not the aclImdb_v1 layout")
+    return {split: [(label, text) for label, _, text in sorted(reviews)] for split, reviews in found.items()}
 
 
 def imdb_splits(reviews, valid_size, seed):
     train = list(reviews["train"])
     if not 0 < valid_size < len(train):
-        raise PrepError(f"--valid-size {valid_size} must be between 1 and {len(train) - 1} "
-                        "(the number of train reviews - 1)")
+        raise PrepError(
+            f"--valid-size {valid_size} must be between 1 and {len(train) - 1} (the number of train reviews - 1)"
+        )
     random.Random(seed).shuffle(train)
-    return [_split("train", train[valid_size:]), _split("valid", train[:valid_size]),
-            _split("test", reviews["test"])]
+    return [_split("train", train[valid_size:]), _split("valid", train[:valid_size]), _split("test", reviews["test"])]
 
 
 def _split(name, reviews):
@@ -70,10 +75,13 @@ def _split(name, reviews):
 
 def main():
     p = parser(__doc__)
-    p.add_argument("--tarball", required=True, metavar="PATH|URL|download",
-                   help=f"aclImdb_v1.tar.gz: a local file, a URL, or 'download' for {IMDB_URL}")
-    p.add_argument("--download-dir", type=Path, default=Path("."),
-                   help="where a downloaded tarball goes")
+    p.add_argument(
+        "--tarball",
+        required=True,
+        metavar="PATH|URL|download",
+        help=f"aclImdb_v1.tar.gz: a local file, a URL, or 'download' for {IMDB_URL}",
+    )
+    p.add_argument("--download-dir", type=Path, default=Path("."), help="where a downloaded tarball goes")
     p.add_argument("--spm-model", required=True, type=Path, help="the pretraining spm.model")
     p.add_argument("--srcdict", required=True, type=Path, help="the pretraining dict.txt")
     p.add_argument("--destdir", required=True, type=Path, help="writes DESTDIR/IMDB-bin")
@@ -85,9 +93,17 @@ def main():
     require_file(args.srcdict, "dictionary")
     source = IMDB_URL if args.tarball == "download" else args.tarball
     url = "://" in source  # a URL names its tarball; a local one is identified by its bytes
-    recipe = Recipe("IMDB", {"tarball": None if url else require_file(source, "IMDB tarball"),
-                             "spm_model": args.spm_model, "srcdict": args.srcdict},
-                    tarball_url=source if url else None, valid_size=args.valid_size, seed=args.seed)
+    recipe = Recipe(
+        "IMDB",
+        {
+            "tarball": None if url else require_file(source, "IMDB tarball"),
+            "spm_model": args.spm_model,
+            "srcdict": args.srcdict,
+        },
+        tarball_url=source if url else None,
+        valid_size=args.valid_size,
+        seed=args.seed,
+    )
     dest = args.destdir / "IMDB-bin"
     if recipe.done(dest):
         return

@@ -38,27 +38,31 @@ def write_task(dest, splits, spm_model, srcdict, classes, workers, recipe=None):
         for s in splits:
             for k, texts in enumerate(s.inputs):
                 _write_lines(raw / f"{s.name}.input{k}.txt", texts)
-                spm.encode(spm_model, raw / f"{s.name}.input{k}.txt", raw / f"{s.name}.input{k}",
-                           workers)
+                spm.encode(spm_model, raw / f"{s.name}.input{k}.txt", raw / f"{s.name}.input{k}", workers)
             if s.labels is not None:
                 _write_lines(raw / f"{s.name}.label", s.labels)
-        argvs = [preprocess_argv(srcdict, tmp / f"input{k}", workers,
-                                 **_prefixes(splits, raw, f"input{k}")) for k in range(n_inputs)]
+        argvs = [
+            preprocess_argv(srcdict, tmp / f"input{k}", workers, **_prefixes(splits, raw, f"input{k}"))
+            for k in range(n_inputs)
+        ]
         labelled = [s for s in splits if s.labels is not None]
         if classes:
             _write_lines(raw / "label.dict", [f"{c} 1" for c in classes])
-            argvs.append(preprocess_argv(raw / "label.dict", tmp / "label", workers,
-                                         **_prefixes(labelled, raw, "label")))
+            argvs.append(
+                preprocess_argv(raw / "label.dict", tmp / "label", workers, **_prefixes(labelled, raw, "label"))
+            )
         else:  # sentence_prediction reads regression targets as text: label/<split>.label
             (tmp / "label").mkdir()
             for s in labelled:
                 _write_lines(tmp / "label" / f"{s.name}.label", s.labels)
         fairseq_preprocess(*argvs)
         remove(raw)
-        meta = {"classes": list(classes) if classes else None,
-                "num_classes": len(classes) if classes else 1,
-                "regression_target": not classes,
-                "rows": {s.name: len(s.inputs[0]) for s in splits}}
+        meta = {
+            "classes": list(classes) if classes else None,
+            "num_classes": len(classes) if classes else 1,
+            "regression_target": not classes,
+            "rows": {s.name: len(s.inputs[0]) for s in splits},
+        }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return dest
 

@@ -1,9 +1,9 @@
 """SentencePiece: train a model on the corpus, encode text with it, write the fairseq dict.txt.
 
-  train:  OUT/spm.model, OUT/spm.vocab and OUT/dict.txt (the spm pieces in spm id order, so
-          fairseq id = spm id + 1: fairseq puts <s> <pad> </s> <unk> first, spm <unk> <s> </s>)
-  encode: one line of space-separated pieces per input line; blank lines stay blank
-          (they are the document boundaries of the corpus)
+train:  OUT/spm.model, OUT/spm.vocab and OUT/dict.txt (the spm pieces in spm id order, so
+        fairseq id = spm id + 1: fairseq puts <s> <pad> </s> <unk> first, spm <unk> <s> </s>)
+encode: one line of space-separated pieces per input line; blank lines stay blank
+        (they are the document boundaries of the corpus)
 """
 
 import collections
@@ -16,9 +16,7 @@ from pathlib import Path
 
 import sentencepiece
 
-from .common import (
-    Progress, Recipe, atomic, cli, default_workers, fail, log, parser, read_lines, require_file,
-)
+from .common import Progress, Recipe, atomic, bad_input, cli, default_workers, log, parser, read_lines, require_file
 
 BATCH_LINES = 2000
 
@@ -26,25 +24,36 @@ BATCH_LINES = 2000
 def train(corpus, out_dir, vocab_size, input_sentence_size, model_type, workers, seed=1):
     out_dir = Path(out_dir)
     corpus = require_file(corpus, "corpus")
-    recipe = Recipe("sentencepiece training", {"corpus": corpus}, vocab_size=vocab_size,
-                    input_sentence_size=input_sentence_size, model_type=model_type, seed=seed)
+    recipe = Recipe(
+        "sentencepiece training",
+        {"corpus": corpus},
+        vocab_size=vocab_size,
+        input_sentence_size=input_sentence_size,
+        model_type=model_type,
+        seed=seed,
+    )
     if recipe.done(out_dir):
         return out_dir
     if not any(line.strip() for _, line in read_lines(corpus)):
-        fail(corpus, None, "empty corpus: nothing to train sentencepiece on")
+        bad_input(corpus, None, "empty corpus: nothing to train sentencepiece on")
     log(f"training sentencepiece ({model_type}, vocab {vocab_size}) on {corpus}")
     with atomic(out_dir, recipe) as tmp:
         tmp.mkdir()
         sentencepiece.set_random_generator_seed(seed)
         try:
             sentencepiece.SentencePieceTrainer.train(
-                input=str(corpus), model_prefix=str(tmp / "spm"), vocab_size=vocab_size,
-                model_type=model_type, character_coverage=0.9999,
-                input_sentence_size=input_sentence_size, shuffle_input_sentence=True,
-                num_threads=workers, minloglevel=1,
+                input=str(corpus),
+                model_prefix=str(tmp / "spm"),
+                vocab_size=vocab_size,
+                model_type=model_type,
+                character_coverage=0.9999,
+                input_sentence_size=input_sentence_size,
+                shuffle_input_sentence=True,
+                num_threads=workers,
+                minloglevel=1,
             )
         except RuntimeError as e:  # e.g. "Vocabulary size too high" on a small corpus
-            fail(corpus, None, f"sentencepiece training failed: {e}")
+            bad_input(corpus, None, f"sentencepiece training failed: {e}")
         write_fairseq_dict(tmp / "spm.model", tmp / "dict.txt")
     return out_dir
 
@@ -67,7 +76,7 @@ def check_model(path):
     try:
         _load(path)
     except (RuntimeError, OSError) as e:
-        fail(path, None, f"not a sentencepiece model ({e}); give the spm.model of spm.sh train")
+        bad_input(path, None, f"not a sentencepiece model ({e}); give the spm.model of spm.sh train")
     return path
 
 
@@ -113,7 +122,7 @@ def encode(model, src, dst, workers):
             try:
                 _write(_in_processes(_encode_batch, batches, workers, model), out, progress)
             except BrokenProcessPool as e:
-                fail(src, None, f"encoding failed: a worker process died ({e})")
+                bad_input(src, None, f"encoding failed: a worker process died ({e})")
         else:
             _use_model(model)
             _write(map(_encode_batch, batches), out, progress)
@@ -127,8 +136,7 @@ def _in_processes(fn, batches, workers, model):
     concurrent.futures rather than multiprocessing.Pool: a worker that fails to start or dies
     breaks the pool (BrokenProcessPool) instead of being restarted, or waited for, forever."""
     context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-    with ProcessPoolExecutor(workers, context, initializer=_use_model,
-                             initargs=(model,)) as pool:
+    with ProcessPoolExecutor(workers, context, initializer=_use_model, initargs=(model,)) as pool:
         pending = collections.deque()
         for batch in batches:
             pending.append(pool.submit(fn, batch))
@@ -151,8 +159,12 @@ def main():
     t.add_argument("--corpus", required=True, type=Path, help="train.txt of the corpus")
     t.add_argument("--out", required=True, type=Path, help="output folder")
     t.add_argument("--vocab-size", type=int, default=50000)
-    t.add_argument("--input-sentence-size", type=int, default=10_000_000,
-                   help="train on a random sample of this many lines (0: all)")
+    t.add_argument(
+        "--input-sentence-size",
+        type=int,
+        default=10_000_000,
+        help="train on a random sample of this many lines (0: all)",
+    )
     t.add_argument("--model-type", default="unigram", choices=["unigram", "bpe"])
     t.add_argument("--workers", type=int, default=default_workers())
     e = sub.add_parser("encode", help="encode text files into pieces")
@@ -162,15 +174,14 @@ def main():
     e.add_argument("--workers", type=int, default=default_workers())
     args = p.parse_args()
     if args.command == "train":
-        train(args.corpus, args.out, args.vocab_size, args.input_sentence_size,
-              args.model_type, args.workers)
+        train(args.corpus, args.out, args.vocab_size, args.input_sentence_size, args.model_type, args.workers)
     else:
         if len(args.inputs) != len(args.outputs):
             p.error("--inputs and --outputs need the same number of files")
         inputs = {src.resolve() for src in args.inputs}
         for dst in args.outputs:  # an input that an earlier output would overwrite
             if dst.resolve() in inputs:
-                fail(dst, None, "the output is also an input; choose another output")
+                bad_input(dst, None, "the output is also an input; choose another output")
         for src, dst in zip(args.inputs, args.outputs):
             encode(args.model, src, dst, args.workers)
 

@@ -2,23 +2,32 @@
 self-attention is Linformer attention. Works from fairseq-train flags and from
 fairseq-hydra-train yaml (model ``_name: linformer_roberta``) through one config dataclass.
 """
+
+import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Optional
 
 import torch
 from fairseq import utils
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
-from fairseq.models.transformer.transformer_config import DEFAULT_MIN_PARAMS_TO_WRAP
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.roberta import RobertaEncoder, RobertaModel
 from fairseq.models.roberta.model import base_architecture as roberta_base_architecture
 from fairseq.models.roberta.model import roberta_large_architecture
+from fairseq.models.transformer import TransformerConfig
+from fairseq.models.transformer.transformer_config import DEFAULT_MIN_PARAMS_TO_WRAP
 from fairseq.modules.transformer_sentence_encoder import init_bert_params
 from omegaconf import OmegaConf, open_dict
 
-from ..modules.linformer_attention import COMPRESS_INITS, COMPRESS_SHARING, COMPRESS_TYPES, LENGTH_NORM_POWERS
+from ..modules.linformer_attention import (
+    COMPRESS_INITS,
+    COMPRESS_SHARING,
+    COMPRESS_TYPES,
+    LENGTH_NORM_POWERS,
+    LinformerSettings,
+)
 from ..modules.linformer_encoder import LinformerTransformerEncoder
 
 
@@ -35,7 +44,9 @@ class LinformerRobertaConfig(FairseqDataclass):
     pooler_activation_fn: ChoiceEnum(utils.get_available_activation_fns()) = field(
         default="tanh", metadata={"help": "activation function to use for pooler layer"}
     )
-    encoder_normalize_before: bool = field(default=False, metadata={"help": "apply layernorm before each encoder block"})
+    encoder_normalize_before: bool = field(
+        default=False, metadata={"help": "apply layernorm before each encoder block"}
+    )
     layernorm_embedding: bool = field(default=True, metadata={"help": "add layernorm to embedding"})
     dropout: float = field(default=0.1, metadata={"help": "dropout probability"})
     attention_dropout: float = field(default=0.1, metadata={"help": "dropout probability for attention weights"})
@@ -51,7 +62,8 @@ class LinformerRobertaConfig(FairseqDataclass):
         default=False, metadata={"help": "untie weights between embeddings and classifiers"}
     )
     encoder_layerdrop: float = field(default=0.0, metadata={"help": "LayerDrop probability for encoder"})
-    encoder_layers_to_keep: Optional[str] = field(
+    # typing.Optional, not `str | None`: fairseq builds its argparse flags from typing.Optional
+    encoder_layers_to_keep: Optional[str] = field(  # noqa: UP045
         default=None, metadata={"help": "which layers to *keep* when pruning as a comma-separated list"}
     )
     spectral_norm_classification_head: bool = field(
@@ -101,7 +113,9 @@ class LinformerRobertaConfig(FairseqDataclass):
     )
     compress_init: ChoiceEnum(COMPRESS_INITS) = field(
         default="normal",
-        metadata={"help": "linear projections' init: normal N(0, 0.02) as the original, xavier, or mean (mean pooling)"},
+        metadata={
+            "help": "linear projections' init: normal N(0, 0.02) as the original, xavier, or mean (mean pooling)"
+        },
     )
     freeze_compress: int = field(default=0, metadata={"help": "1: freeze the projection parameters"})
     shared_kv_compressed: int = field(default=0, metadata={"help": "legacy: 1 means --compress-sharing kv"})
@@ -110,56 +124,11 @@ class LinformerRobertaConfig(FairseqDataclass):
     )
     ffn_chunk_size: int = field(
         default=0,
-        metadata={"help": "inference only: run each FFN block over chunks of this many positions (0: off; <= n/5 keeps the FFN below the attention block in peak memory); same outputs"},
+        metadata={
+            "help": "inference only: run each FFN block over chunks of this many positions (0: off; "
+            "<= n/5 keeps the FFN below the attention block in peak memory); same outputs"
+        },
     )
-
-
-def resolve_linformer_args(args) -> List[int]:
-    """Check the Linformer settings, fold the legacy flags into ``compress_sharing`` and
-    return the projected length k of every layer. Raises ValueError naming the bad value."""
-    sharing = str(args.compress_sharing)
-    legacy = "layerwise" if args.shared_layer_kv_compressed else "kv" if args.shared_kv_compressed else None
-    if legacy is not None:
-        if sharing not in ("headwise", legacy):
-            raise ValueError(f"--compress-sharing {sharing} contradicts the legacy flag that means {legacy}")
-        sharing = legacy
-    if sharing not in COMPRESS_SHARING:
-        raise ValueError(f"unknown compress_sharing {sharing!r}; expected one of {COMPRESS_SHARING}")
-    if str(args.compress_type) not in COMPRESS_TYPES:
-        raise ValueError(f"unknown compress_type {args.compress_type!r}; expected one of {COMPRESS_TYPES}")
-    if str(args.compress_length_norm) not in LENGTH_NORM_POWERS:
-        raise ValueError(
-            f"unknown compress_length_norm {args.compress_length_norm!r}; expected one of {tuple(LENGTH_NORM_POWERS)}"
-        )
-    if str(args.compress_init) not in COMPRESS_INITS:
-        raise ValueError(f"unknown compress_init {args.compress_init!r}; expected one of {COMPRESS_INITS}")
-    args.compress_sharing, args.compress_type = sharing, str(args.compress_type)
-    args.compress_length_norm, args.compress_init = str(args.compress_length_norm), str(args.compress_init)
-
-    n, layers = args.max_positions, args.encoder_layers
-    if args.layer_compressed_dims:
-        try:
-            dims = [int(d) for d in str(args.layer_compressed_dims).split(",")]
-        except ValueError:
-            raise ValueError(f"--layer-compressed-dims must be comma-separated integers, got {args.layer_compressed_dims!r}")
-        if len(dims) != layers:
-            raise ValueError(f"--layer-compressed-dims has {len(dims)} values for {layers} encoder layers")
-        if sharing == "layerwise" and len(set(dims)) > 1:
-            raise ValueError("layerwise sharing uses one projection for all layers, so k cannot vary by layer")
-    elif args.compressed_dim > 0:
-        dims = [args.compressed_dim] * layers
-    else:
-        if args.compressed < 1:
-            raise ValueError(f"--compressed must be >= 1, got {args.compressed}")
-        dims = [n // args.compressed] * layers
-    for k in dims:
-        if not 0 < k <= n:
-            raise ValueError(f"projected length k={k} must be in 1..max_positions ({n})")
-        if args.compress_type != "linear" and n % k:
-            raise ValueError(f"--compress-type {args.compress_type} needs max_positions ({n}) divisible by k ({k})")
-    if args.ffn_chunk_size < 0:
-        raise ValueError(f"--ffn-chunk-size must be >= 0, got {args.ffn_chunk_size}")
-    return dims
 
 
 @register_model("linformer_roberta", dataclass=LinformerRobertaConfig)
@@ -182,17 +151,15 @@ class LinformerRobertaModel(RobertaModel):
         roberta_base_architecture(args)  # the derived fields fairseq's TransformerEncoder reads
         if getattr(args, "quant_noise_pq", 0):
             raise ValueError("quantization noise (--quant-noise-pq) is not supported by Linformer attention")
-        dims = resolve_linformer_args(args)
-        return cls(args, LinformerRobertaEncoder(args, task.source_dictionary, dims))
+        return cls(args, LinformerRobertaEncoder(args, task.source_dictionary))
 
 
 class LinformerRobertaEncoder(RobertaEncoder):
-    def __init__(self, args, dictionary, compressed_dims: List[int]):
-        self._compressed_dims = compressed_dims  # read by build_encoder during super().__init__
-        super().__init__(args, dictionary)
-
     def build_encoder(self, args, dictionary, embed_tokens):
-        encoder = LinformerTransformerEncoder(args, dictionary, embed_tokens, self._compressed_dims)
+        settings = LinformerSettings.from_args(args)  # the one place they are read and checked
+        encoder = LinformerTransformerEncoder(
+            settings, TransformerConfig.from_namespace(args), dictionary, embed_tokens
+        )
         encoder.apply(init_bert_params)
         return encoder
 
@@ -215,13 +182,38 @@ class LinformerRobertaEncoder(RobertaEncoder):
                 if shared is None or not torch.equal(state_dict[v_key], shared):
                     raise ValueError(
                         f"{v_key}: the checkpoint has separate key and value projections, but the model "
-                        f"shares them (--compress-sharing {self.args.compress_sharing})"
+                        f"shares them (--compress-sharing {self.sentence_encoder.linformer.sharing})"
                     )
                 del state_dict[v_key]
 
 
-# The defaults live in LinformerRobertaConfig (registering the model with it also registers the
-# architecture "linformer_roberta"); the named architectures only set what differs from them.
+def _fairseq_large_sizes():
+    """The size fields of fairseq's roberta_large architecture."""
+    args = argparse.Namespace()
+    roberta_large_architecture(args)
+    sizes = ("encoder_layers", "encoder_embed_dim", "encoder_ffn_embed_dim", "encoder_attention_heads")
+    return {name: getattr(args, name) for name in sizes}
+
+
+# The large model is registered as a model of its own, with its own config defaults: under
+# fairseq-hydra-train, `model._name: linformer_roberta_large` then builds the large sizes
+# (fairseq merges a model's dataclass defaults before any architecture function could run).
+LinformerRobertaLargeConfig = dataclasses.make_dataclass(
+    "LinformerRobertaLargeConfig",
+    [(name, int, field(default=value)) for name, value in _fairseq_large_sizes().items()],
+    bases=(LinformerRobertaConfig,),
+)
+
+
+@register_model("linformer_roberta_large", dataclass=LinformerRobertaLargeConfig)
+class LinformerRobertaLargeModel(LinformerRobertaModel):
+    @classmethod
+    def add_args(cls, parser):
+        gen_parser_from_dataclass(parser, LinformerRobertaLargeConfig(), delete_default=True)
+
+
+# The defaults live in the config dataclasses (registering a model with one also registers the
+# architecture of its name, "linformer_roberta" and "linformer_roberta_large").
 @register_model_architecture("linformer_roberta", "linformer_roberta_base")
 def linformer_roberta_base_architecture(args):
     # fairseq's argparse path (options.parse_args_and_arch, then task.build_model(args)) keeps
@@ -229,9 +221,3 @@ def linformer_roberta_base_architecture(args):
     for f in dataclasses.fields(LinformerRobertaConfig):
         if not hasattr(args, f.name):
             setattr(args, f.name, f.default)
-
-
-@register_model_architecture("linformer_roberta", "linformer_roberta_large")
-def linformer_roberta_large_architecture(args):
-    roberta_large_architecture(args)  # fairseq's large sizes, where not given
-    linformer_roberta_base_architecture(args)

@@ -1,4 +1,10 @@
-from .linformer_attention import COMPRESS_SHARING, COMPRESS_TYPES, LinformerMultiheadAttention, SequenceProjection
+from .linformer_attention import (
+    COMPRESS_SHARING,
+    COMPRESS_TYPES,
+    LinformerMultiheadAttention,
+    LinformerSettings,
+    SequenceProjection,
+)
 from .linformer_encoder import LinformerEncoderLayer, LinformerTransformerEncoder
 
 __all__ = [
@@ -6,6 +12,7 @@ __all__ = [
     "COMPRESS_TYPES",
     "LinformerEncoderLayer",
     "LinformerMultiheadAttention",
+    "LinformerSettings",
     "LinformerTransformerEncoder",
     "SequenceProjection",
 ]

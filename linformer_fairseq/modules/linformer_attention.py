@@ -5,9 +5,10 @@ Shapes follow fairseq: activations are ``T x B x C`` (time, batch, channels), pa
 are ``B x T`` with True at pad positions. Padding must be on the right (fairseq's
 ``RightPadDataset``, used by the masked_lm and sentence_prediction tasks).
 """
+
 import logging
 import math
-from typing import Optional, Tuple
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,81 @@ LENGTH_NORM_POWERS = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}
 COMPRESS_INITS = ("normal", "xavier", "mean")
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LinformerSettings:
+    """What makes attention a Linformer's, checked once here and handed to every layer.
+
+    ``compressed_dims`` holds k for each layer (non-uniform k: larger in low layers, as the
+    paper suggests); the rest is in the model's config (``LinformerRobertaConfig``).
+    """
+
+    max_positions: int
+    compressed_dims: tuple[int, ...]
+    sharing: str = "headwise"
+    kind: str = "linear"
+    length_norm: str = "none"
+    init: str = "normal"
+    freeze: bool = False
+    ffn_chunk_size: int = 0
+
+    def __post_init__(self):
+        for name, value, choices in (
+            ("compress_sharing", self.sharing, COMPRESS_SHARING),
+            ("compress_type", self.kind, COMPRESS_TYPES),
+            ("compress_length_norm", self.length_norm, tuple(LENGTH_NORM_POWERS)),
+            ("compress_init", self.init, COMPRESS_INITS),
+        ):
+            if value not in choices:
+                raise ValueError(f"unknown {name} {value!r}; expected one of {choices}")
+        n = self.max_positions
+        if self.sharing == "layerwise" and len(set(self.compressed_dims)) > 1:
+            raise ValueError("layerwise sharing uses one projection for all layers, so k cannot vary by layer")
+        for k in self.compressed_dims:
+            if not 0 < k <= n:
+                raise ValueError(f"projected length k={k} must be in 1..max_positions ({n})")
+            if self.kind != "linear" and n % k:
+                raise ValueError(f"--compress-type {self.kind} needs max_positions ({n}) divisible by k ({k})")
+        if self.ffn_chunk_size < 0:
+            raise ValueError(f"--ffn-chunk-size must be >= 0, got {self.ffn_chunk_size}")
+
+    @classmethod
+    def from_args(cls, args) -> "LinformerSettings":
+        """From a model config (dataclass, DictConfig or argparse Namespace): folds the original
+        example's flags (--shared-kv-compressed, --shared-layer-kv-compressed, --compressed) in."""
+        sharing = str(args.compress_sharing)
+        legacy = "layerwise" if args.shared_layer_kv_compressed else "kv" if args.shared_kv_compressed else None
+        if legacy is not None:
+            if sharing not in ("headwise", legacy):
+                raise ValueError(f"--compress-sharing {sharing} contradicts the legacy flag that means {legacy}")
+            sharing = legacy
+        n, layers = args.max_positions, args.encoder_layers
+        if args.layer_compressed_dims:
+            try:
+                dims = [int(d) for d in str(args.layer_compressed_dims).split(",")]
+            except ValueError:
+                raise ValueError(
+                    f"--layer-compressed-dims must be comma-separated integers, got {args.layer_compressed_dims!r}"
+                ) from None
+            if len(dims) != layers:
+                raise ValueError(f"--layer-compressed-dims has {len(dims)} values for {layers} encoder layers")
+        elif args.compressed_dim > 0:
+            dims = [args.compressed_dim] * layers
+        else:
+            if args.compressed < 1:
+                raise ValueError(f"--compressed must be >= 1, got {args.compressed}")
+            dims = [n // args.compressed] * layers
+        return cls(
+            max_positions=n,
+            compressed_dims=tuple(dims),
+            sharing=sharing,
+            kind=str(args.compress_type),
+            length_norm=str(args.compress_length_norm),
+            init=str(args.compress_init),
+            freeze=bool(args.freeze_compress),
+            ffn_chunk_size=args.ffn_chunk_size,
+        )
 
 
 class SequenceProjection(nn.Module):
@@ -40,6 +116,8 @@ class SequenceProjection(nn.Module):
       they need no length handling; rows whose window holds only padding are reported as
       empty.
 
+    The arguments are those of a ``LinformerSettings``, which checked them.
+
     With ``groups > 1`` (sharing level "none") the channels are split into ``groups`` heads and
     each head gets its own matrix or kernel.
 
@@ -56,12 +134,6 @@ class SequenceProjection(nn.Module):
         self, kind: str, max_positions: int, k: int, groups: int = 1, length_norm: str = "none", init: str = "normal"
     ):
         super().__init__()
-        assert kind in COMPRESS_TYPES, f"compress type must be one of {COMPRESS_TYPES}, got {kind!r}"
-        assert 0 < k <= max_positions, f"need 0 < k <= max_positions, got k={k}, n={max_positions}"
-        assert length_norm in LENGTH_NORM_POWERS, (
-            f"length norm must be one of {tuple(LENGTH_NORM_POWERS)}, got {length_norm!r}"
-        )
-        assert init in COMPRESS_INITS, f"compress init must be one of {COMPRESS_INITS}, got {init!r}"
         self.kind, self.max_positions, self.k, self.groups = kind, max_positions, k, groups
         self.stride = max_positions // k
         if kind == "linear":
@@ -70,14 +142,8 @@ class SequenceProjection(nn.Module):
             self.length_power = LENGTH_NORM_POWERS[length_norm]
             self.register_buffer("length_norm_power", torch.tensor(self.length_power))
         elif kind == "conv":
-            assert max_positions % k == 0, (
-                f"compress type conv needs max_positions ({max_positions}) divisible by k ({k})"
-            )
             self.weight = nn.Parameter(torch.full((groups, self.stride), 1.0 / self.stride))
         else:
-            assert max_positions % k == 0, (
-                f"compress type {kind} needs max_positions ({max_positions}) divisible by k ({k})"
-            )
             self.register_parameter("weight", None)
 
     @staticmethod
@@ -96,7 +162,9 @@ class SequenceProjection(nn.Module):
         E = (window.unsqueeze(0) == torch.arange(k).unsqueeze(1)).float()
         return (E / E.sum(1, keepdim=True)).expand(shape).clone()
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         if self.kind == "linear":
             key = prefix + "length_norm_power"
             saved = state_dict.setdefault(key, torch.tensor(0.0))  # older checkpoints: "none"
@@ -105,13 +173,15 @@ class SequenceProjection(nn.Module):
                 name = {v: k for k, v in LENGTH_NORM_POWERS.items()}.get(power, power)
                 logger.info(f"{prefix or 'projection '}: using the checkpoint's compress length norm {name!r}")
             self.length_power = power
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def extra_repr(self) -> str:
         power = f", length_power={self.length_power}" if self.kind == "linear" else ""
         return f"{self.kind}, n={self.max_positions}, k={self.k}, groups={self.groups}{power}"
 
-    def forward(self, x: Tensor, pad_mask: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+    def forward(self, x: Tensor, pad_mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """x: ``T x B x C`` with zeros at its pad positions; pad_mask: ``B x T`` (True at
         pads) or None.
 
@@ -127,7 +197,7 @@ class SequenceProjection(nn.Module):
             return self._linear(x, pad_mask), None
         return self._pooled(x, pad_mask)
 
-    def _linear(self, x: Tensor, pad_mask: Optional[Tensor]) -> Tensor:
+    def _linear(self, x: Tensor, pad_mask: Tensor | None) -> Tensor:
         T, B, C = x.shape
         E = self.weight[..., :T]
         if self.groups == 1:
@@ -144,7 +214,7 @@ class SequenceProjection(nn.Module):
         lengths = (~pad_mask).sum(1).clamp(min=1).to(out.dtype)  # each sentence's own T
         return out.mul_((self.max_positions / lengths).pow(self.length_power).view(1, B, 1))
 
-    def _pooled(self, x: Tensor, pad_mask: Optional[Tensor]):
+    def _pooled(self, x: Tensor, pad_mask: Tensor | None):
         T, B, C = x.shape
         s = self.stride
         rows = -(-T // s)
@@ -199,30 +269,20 @@ class LinformerMultiheadAttention(nn.Module):
         self,
         embed_dim: int,
         num_heads: int,
-        max_positions: int,
+        settings: LinformerSettings,
         compressed_dim: int,
         dropout: float = 0.0,
-        compress_sharing: str = "headwise",
-        compress_type: str = "linear",
-        shared_projection: Optional[SequenceProjection] = None,
-        freeze_compress: bool = False,
-        compress_length_norm: str = "none",
-        compress_init: str = "normal",
+        shared_projection: SequenceProjection | None = None,
     ):
         super().__init__()
-        assert embed_dim % num_heads == 0, (
-            f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
-        )
-        assert compress_sharing in COMPRESS_SHARING, (
-            f"compress sharing must be one of {COMPRESS_SHARING}, got {compress_sharing!r}"
-        )
-        assert (compress_sharing == "layerwise") == (shared_projection is not None), (
+        assert embed_dim % num_heads == 0, f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
+        assert (settings.sharing == "layerwise") == (shared_projection is not None), (
             "layerwise sharing needs the shared projection, and only layerwise takes one"
         )
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.head_dim = embed_dim // num_heads
-        self.max_positions, self.dropout = max_positions, dropout
-        self.compress_sharing = compress_sharing
+        self.max_positions, self.dropout = settings.max_positions, dropout
+        self.compress_sharing = settings.sharing
 
         self.q_proj = nn.Linear(embed_dim, embed_dim)
         self.k_proj = nn.Linear(embed_dim, embed_dim)
@@ -233,22 +293,19 @@ class LinformerMultiheadAttention(nn.Module):
         nn.init.xavier_uniform_(self.out_proj.weight)
         nn.init.zeros_(self.out_proj.bias)
 
-        def projection():
-            groups = num_heads if compress_sharing == "none" else 1
-            return SequenceProjection(
-                compress_type, max_positions, compressed_dim, groups, compress_length_norm, compress_init
-            )
-
-        self.compress_k = shared_projection or projection()
-        self.compress_v = projection() if compress_sharing in ("none", "headwise") else None
-        if freeze_compress:
+        groups = num_heads if settings.sharing == "none" else 1
+        self.compress_k = shared_projection or projection(settings, compressed_dim, groups)
+        self.compress_v = (
+            projection(settings, compressed_dim, groups) if settings.sharing in ("none", "headwise") else None
+        )
+        if settings.freeze:
             for p in self.compress_parameters():
                 p.requires_grad_(False)
 
     def compress_parameters(self):
         return [m.weight for m in (self.compress_k, self.compress_v) if m is not None and m.weight is not None]
 
-    def project_keys_values(self, x: Tensor, pad_mask: Optional[Tensor]):
+    def project_keys_values(self, x: Tensor, pad_mask: Tensor | None):
         """Projected keys and values, ``k' x B x C`` each, and the ``B x k'`` row mask."""
         if pad_mask is not None:  # pads then contribute nothing to E X (nor to X W, bias-free)
             x = x.masked_fill(pad_mask.t().unsqueeze(-1), 0.0)
@@ -263,14 +320,14 @@ class LinformerMultiheadAttention(nn.Module):
     def forward(
         self,
         query: Tensor,
-        key: Optional[Tensor] = None,
-        value: Optional[Tensor] = None,
-        key_padding_mask: Optional[Tensor] = None,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
         need_weights: bool = False,
-        attn_mask: Optional[Tensor] = None,
+        attn_mask: Tensor | None = None,
         need_head_weights: bool = False,
         **unused,
-    ) -> Tuple[Tensor, Optional[Tensor]]:
+    ) -> tuple[Tensor, Tensor | None]:
         """query: ``T x B x C`` (key and value, if given, must be the query itself);
         key_padding_mask: ``B x T``, True at pads.
 
@@ -301,7 +358,7 @@ class LinformerMultiheadAttention(nn.Module):
 
         weights = None
         if need_weights or need_head_weights:
-            scores = torch.matmul(q, k.transpose(-1, -2)) * (D ** -0.5)
+            scores = torch.matmul(q, k.transpose(-1, -2)) * (D**-0.5)
             if mask is not None:
                 scores = scores.masked_fill(~mask, float("-inf"))
             weights = torch.softmax(scores.float(), dim=-1).type_as(q)
@@ -311,3 +368,8 @@ class LinformerMultiheadAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         out = out.permute(2, 0, 1, 3).reshape(T, B, C)
         return self.out_proj(out), weights
+
+
+def projection(settings: LinformerSettings, k: int, groups: int = 1) -> SequenceProjection:
+    """A projection from ``settings.max_positions`` to k rows of the settings' kind."""
+    return SequenceProjection(settings.kind, settings.max_positions, k, groups, settings.length_norm, settings.init)

@@ -1,16 +1,16 @@
 """The Linformer encoder: fairseq's TransformerEncoder with Linformer self-attention layers,
 per-layer projected dimensions, layerwise-shared projections and optional FFN chunking."""
-from typing import List, Optional
+
+import copy
 
 import torch
-from torch import Tensor
-
 from fairseq.distributed import fsdp_wrap
 from fairseq.models.transformer import TransformerConfig, TransformerEncoderBase
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
+from torch import Tensor
 
-from .linformer_attention import LinformerMultiheadAttention, SequenceProjection
+from .linformer_attention import LinformerMultiheadAttention, LinformerSettings, SequenceProjection, projection
 
 
 class LinformerEncoderLayer(TransformerEncoderLayerBase):
@@ -21,27 +21,22 @@ class LinformerEncoderLayer(TransformerEncoderLayerBase):
     O(n k), and chunking never materialises it whole. Outputs are identical.
     """
 
-    def __init__(self, cfg, args, compressed_dim: int, shared_projection: Optional[SequenceProjection]):
-        self._linformer = (args, compressed_dim, shared_projection)  # read by build_self_attention
+    def __init__(
+        self, cfg, settings: LinformerSettings, compressed_dim: int, shared_projection: SequenceProjection | None
+    ):
         super().__init__(cfg)
-        self.ffn_chunk_size = args.ffn_chunk_size
+        self.self_attn = LinformerMultiheadAttention(
+            self.embed_dim,
+            cfg.encoder.attention_heads,
+            settings,
+            compressed_dim,
+            dropout=cfg.attention_dropout,
+            shared_projection=shared_projection,
+        )
+        self.ffn_chunk_size = settings.ffn_chunk_size
 
     def build_self_attention(self, embed_dim, cfg):
-        args, compressed_dim, shared_projection = self._linformer
-        del self._linformer
-        return LinformerMultiheadAttention(
-            embed_dim,
-            cfg.encoder.attention_heads,
-            max_positions=args.max_positions,
-            compressed_dim=compressed_dim,
-            dropout=cfg.attention_dropout,
-            compress_sharing=args.compress_sharing,
-            compress_type=args.compress_type,
-            shared_projection=shared_projection,
-            freeze_compress=bool(args.freeze_compress),
-            compress_length_norm=args.compress_length_norm,
-            compress_init=args.compress_init,
-        )
+        return None  # the Linformer attention is built in __init__, where its settings are at hand
 
     def feed_forward_block(self, x: Tensor) -> Tensor:
         """The position-wise half of the layer: FFN, dropout, residual, layer norm."""
@@ -54,7 +49,7 @@ class LinformerEncoderLayer(TransformerEncoderLayerBase):
             x = self.final_layer_norm(x)
         return x
 
-    def forward(self, x: Tensor, encoder_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor] = None):
+    def forward(self, x: Tensor, encoder_padding_mask: Tensor | None, attn_mask: Tensor | None = None):
         """x: ``T x B x C``; encoder_padding_mask: ``B x T``, True at pads."""
         residual = x
         if self.normalize_before:
@@ -82,24 +77,23 @@ class LinformerTransformerEncoder(TransformerEncoderBase):
     layer's ``self_attn.compress_k`` refers to it (the original example's state-dict layout).
     """
 
-    def __init__(self, args, dictionary, embed_tokens, compressed_dims: List[int]):
-        self.args = args
-        self._layer_dims = iter(compressed_dims)  # consumed by build_encoder_layer, in order
-        super().__init__(TransformerConfig.from_namespace(args), dictionary, embed_tokens)
-        del self._layer_dims
-
-    def build_encoder_layer(self, cfg):
-        args = self.args
-        compressed_dim = next(self._layer_dims)
+    def __init__(self, settings: LinformerSettings, cfg: TransformerConfig, dictionary, embed_tokens):
+        # the base class builds no layers (encoder.layers = 0): each of ours needs its own k
+        no_layers = copy.deepcopy(cfg)
+        no_layers.encoder.layers = 0
+        super().__init__(no_layers, dictionary, embed_tokens)
+        self.cfg, self.linformer = cfg, settings
         shared = None
-        if args.compress_sharing == "layerwise":
-            if not hasattr(self, "compress_layer"):
-                self.compress_layer = SequenceProjection(
-                    args.compress_type, args.max_positions, compressed_dim, 1, args.compress_length_norm, args.compress_init
-                )
-            shared = self.compress_layer
-        layer = LinformerEncoderLayer(cfg, args, compressed_dim, shared)
-        # same wrapping as fairseq's own encoder, so --checkpoint-activations and FSDP apply
+        if settings.sharing == "layerwise":
+            self.compress_layer = shared = projection(settings, settings.compressed_dims[0])
+        self.layers.extend(
+            self.wrap(LinformerEncoderLayer(cfg, settings, k, shared), cfg) for k in settings.compressed_dims
+        )
+        self.num_layers = len(self.layers)
+
+    @staticmethod
+    def wrap(layer, cfg):
+        """The wrapping of fairseq's own encoder, so --checkpoint-activations and FSDP apply."""
         if cfg.checkpoint_activations:
             layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
         min_params_to_wrap = cfg.min_params_to_wrap if not cfg.checkpoint_activations else 0
@@ -107,11 +101,12 @@ class LinformerTransformerEncoder(TransformerEncoderBase):
 
     def forward(self, src_tokens, src_lengths=None, return_all_hiddens: bool = False, token_embeddings=None):
         """src_tokens: ``B x T``, right-padded. See TransformerEncoderBase.forward."""
-        T = src_tokens.size(1)
-        if T > self.args.max_positions:
+        T, n = src_tokens.size(1), self.linformer.max_positions
+        if T > n:
             raise ValueError(
-                f"input of length {T} is longer than max_positions {self.args.max_positions}; "
-                f"truncate it (e.g. --truncate-sequence / --shorten-method truncate) or train with a larger --max-positions"
+                f"input of length {T} is longer than max_positions {n}; "
+                "truncate it (e.g. --truncate-sequence / --shorten-method truncate) or train with a larger "
+                "--max-positions"
             )
         if src_tokens[:, 0].eq(self.padding_idx).any():
             raise ValueError(

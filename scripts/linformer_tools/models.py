@@ -1,16 +1,14 @@
-"""Helpers shared by scripts/benchmark_inference.py and scripts/attention_spectrum.py."""
+"""Models outside fairseq-train, for the benchmark, the spectrum analysis and the tests: built
+as fairseq-train builds them, with the plugin registered."""
+
 import logging
 import os
 from pathlib import Path
 
-PLUGIN_DIR = Path(__file__).resolve().parents[1] / "linformer_fairseq"
+from .common import PLUGIN_DIR, atomic
+
 # fairseq's Dictionary puts <s>, <pad>, </s>, <unk> first; ids from here on are real words
 FIRST_WORD_ID = 4
-
-
-def fail(message: str):
-    """Stop with a one-line error on stderr (exit status 1)."""
-    raise SystemExit(f"error: {message}")
 
 
 def import_fairseq():
@@ -81,17 +79,6 @@ def pyplot():
     return plt
 
 
-def atomic_write(path, write):
-    """Call ``write(tmp_path)`` and move the result to ``path`` only once it is complete."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
-def write_text(path, text: str):
-    atomic_write(path, lambda tmp: tmp.write_text(text))
-
-
 def save_figure(fig, path):
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format=Path(path).suffix.lstrip("."), dpi=120))
+    with atomic(path) as tmp:
+        fig.savefig(tmp, format=Path(path).suffix.lstrip("."), dpi=120)

@@ -1,6 +1,5 @@
-#!/usr/bin/env python3
 """The arithmetic and look-ups behind the training launchers (scripts/pretrain.sh,
-scripts/finetune.sh, scripts/slurm/*.sbatch), kept in one place.
+scripts/finetune.sh, scripts/slurm/*.sbatch): python -m linformer_tools.launch COMMAND ...
 
   batch  CONFIG_DIR CONFIG [OVERRIDE ...]   per-GPU batch, update_freq and global batch that
          keep the config's global batch (dataset.batch_size x update_freq x
@@ -12,13 +11,15 @@ scripts/finetune.sh, scripts/slurm/*.sbatch), kept in one place.
          SAVE_DIR (fairseq writes checkpoint_last.pt by a plain copy, which a kill can cut
          short), else empty; a second line, if any, says why it is not checkpoint_last.pt
 """
+
 import argparse
 import logging
 import sys
 import warnings
 from pathlib import Path
 
-PLUGIN_DIR = Path(__file__).resolve().parents[1] / "linformer_fairseq"
+from .common import fail
+from .models import import_plugin
 
 # Keys the launchers set from their own flags: an override of them would undo the arithmetic.
 LAUNCHER_KEYS = {
@@ -28,15 +29,18 @@ LAUNCHER_KEYS = {
 }
 # Model fields that a finetuning config chooses for itself instead of inheriting them.
 FINETUNING_CHOICES = {
-    "dropout", "attention_dropout", "activation_dropout", "pooler_dropout", "encoder_layerdrop",
-    "encoder_layers_to_keep", "load_checkpoint_heads", "spectral_norm_classification_head",
-    "checkpoint_activations", "offload_activations", "min_params_to_wrap",
+    "dropout",
+    "attention_dropout",
+    "activation_dropout",
+    "pooler_dropout",
+    "encoder_layerdrop",
+    "encoder_layers_to_keep",
+    "load_checkpoint_heads",
+    "spectral_norm_classification_head",
+    "checkpoint_activations",
+    "offload_activations",
+    "min_params_to_wrap",
 }
-
-
-def fail(message):
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)  # as argparse and the bash launchers do on bad input
 
 
 def compose(config_dir: Path, name: str, overrides, return_hydra_config=False):
@@ -44,9 +48,10 @@ def compose(config_dir: Path, name: str, overrides, return_hydra_config=False):
     if not (config_dir / f"{name}.yaml").is_file():
         choices = sorted(p.stem for p in config_dir.glob("*.yaml") if p.stem != "recipe")
         fail(f"no config {config_dir / name}.yaml; choose one of: {' '.join(choices)}")
-    from hydra import compose as hydra_compose, initialize_config_dir
-    from hydra.errors import HydraException
     from fairseq.dataclass.initialize import hydra_init
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
 
     # fairseq's own hydra setup; its schema matching warns that Hydra deprecates it
     warnings.filterwarnings("ignore", message=r"(?s).*automatic_schema_matching")
@@ -96,7 +101,7 @@ def hydra_value(value) -> str:
 def model_overrides(args):
     import torch
 
-    load_plugin()  # models, safe loader
+    import_plugin()  # models, safe loader
     from fairseq.models import ARCH_MODEL_NAME_REGISTRY, MODEL_DATACLASS_REGISTRY, MODEL_REGISTRY
 
     try:  # mmap: only the config is read, not gigabytes of weights
@@ -118,14 +123,6 @@ def model_overrides(args):
     print(f"++model._name={hydra_value(name)}")
     for key in sorted((keys - FINETUNING_CHOICES - {"_name"}) & set(fields)):
         print(f"++model.{key}={hydra_value(fields[key])}")
-
-
-def load_plugin():
-    """fairseq's registries with the plugin's models; the plugin also allow-lists
-    argparse.Namespace for torch.load(weights_only=True)."""
-    from fairseq import utils
-
-    utils.import_user_module(argparse.Namespace(user_dir=str(PLUGIN_DIR)))
 
 
 def checkpoint_updates(path: Path):
@@ -150,7 +147,7 @@ def resume_point(args):
     last = args.save_dir / "checkpoint_last.pt"
     if not last.exists():
         return
-    load_plugin()
+    import_plugin()
     try:
         checkpoint_updates(last)
         print(last)
@@ -177,8 +174,10 @@ def resume_point(args):
         except FileNotFoundError:
             pass
     print()
-    print(f"resume: {problem}, and {args.save_dir} holds no complete checkpoint: starting from scratch "
-          f"({'would move' if args.dry_run else 'moved'} it to {aside.name})")
+    print(
+        f"resume: {problem}, and {args.save_dir} holds no complete checkpoint: starting from scratch "
+        f"({'would move' if args.dry_run else 'moved'} it to {aside.name})"
+    )
 
 
 def main():

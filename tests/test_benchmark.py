@@ -1,18 +1,20 @@
-"""scripts/benchmark_inference.py: FLOP counts, and a tiny grid end to end (fresh subprocess per
-point) whose memory figures must show what each model stores."""
+"""scripts/benchmark.py: FLOP counts, bad input refused, and a tiny grid end to end (a fresh process per
+point) whose memory figures must show what each model stores and whose tables must agree with its JSON."""
+
+import csv
 import json
+import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import SCRIPTS, load_script
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-import _common  # noqa: E402
-import benchmark_inference as bench  # noqa: E402
+from linformer_tools import models
+
+bench = load_script("benchmark")
 
 
 def test_flops_of_base_widths_match_hand_count():
@@ -36,63 +38,100 @@ def cpu_flash_flops(query, key, value, *args, **kwargs):
 CPU_SDPA = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: cpu_flash_flops}
 
 
-@pytest.mark.parametrize("model", ["roberta-fused", "roberta-explicit", "none/linear", "headwise/linear",
-                                   "kv/linear", "layerwise/linear", "headwise/conv", "kv/mean"])  # fmt: skip
+@pytest.mark.parametrize(
+    "model",
+    ["roberta-fused", "roberta-explicit", "none/linear", "headwise/linear", "kv/linear", "layerwise/linear",
+     "headwise/conv", "kv/mean"],
+)  # fmt: skip
 def test_flop_formula_matches_torch_flop_counter_on_built_model(model, tmp_path):
     n, d, f, heads, layers, k = 64, 32, 48, 4, 2, 16
-    _common.write_dict(tmp_path, ["w"])
-    flags = ["--encoder-layers", str(layers), "--encoder-embed-dim", str(d), "--encoder-ffn-embed-dim", str(f),
-             "--encoder-attention-heads", str(heads), "--max-positions", str(n)]  # fmt: skip
+    models.write_dict(tmp_path, ["w"])
+    flags = f"--encoder-layers {layers} --encoder-embed-dim {d} --encoder-ffn-embed-dim {f} "
+    flags += f"--encoder-attention-heads {heads} --max-positions {n}"
     if model.startswith("roberta"):
-        built, _ = _common.build_model("roberta_base", flags, tmp_path)
+        built, _ = models.build_model("roberta_base", flags.split(), tmp_path)
         if model == "roberta-explicit":
-            assert _common.force_explicit_attention(built) == layers
+            assert models.force_explicit_attention(built) == layers
         expected = bench.encoder_flops(n, d, f, layers)
     else:
         sharing, kind = model.split("/")
-        extra = ["--compressed-dim", str(k), "--compress-sharing", sharing, "--compress-type", kind]
-        built, _ = _common.build_model("linformer_roberta_base", flags + extra, tmp_path)
+        flags += f" --compressed-dim {k} --compress-sharing {sharing} --compress-type {kind}"
+        built, _ = models.build_model("linformer_roberta_base", flags.split(), tmp_path)
         expected = bench.encoder_flops(n, d, f, layers, k, sharing, kind)
     with torch.inference_mode(), FlopCounterMode(display=False, custom_mapping=CPU_SDPA) as counter:
         built.eval()(torch.full((1, n), 4), features_only=True)
     assert counter.get_total_flops() == expected
 
 
+def markdown_tables(text):
+    """Every table of a benchmark.md as a list of {column: cell}, keyed by the paragraph before it."""
+    blocks = [block.strip() for block in text.split("\n\n")]
+    tables = {}
+    for caption, block in zip(blocks, blocks[1:]):
+        if block.startswith("| "):
+            header, _, *rows = ([c.strip() for c in line.strip("|").split("|")] for line in block.splitlines())
+            tables[caption] = [dict(zip(header, cells)) for cells in rows]
+    return tables
+
+
+def ms_per_seq(point):
+    return statistics.median(1000 * t / point["spec"]["batch_size"] for t in point["seconds"])
+
+
+def ms_per_seq_at_max_batch(point):
+    return 1000 * statistics.median(point["max_batch_seconds"]) / point["max_batch"]
+
+
+@pytest.mark.slow
 def test_tiny_grid_end_to_end(tmp_path):
     out = tmp_path / "out"
     # widths chosen so that the n x n scores dominate RoBERTa-explicit's peak and the FFN
     # intermediate (n x 128) dominates the Linformer's
-    heads, ffn, n_max = 8, 128, 64
-    cmd = [sys.executable, str(SCRIPTS / "benchmark_inference.py"), "--lengths", "64", "--ks", "16",
+    heads, ffn, n = 8, 128, 64
+    cmd = [sys.executable, str(SCRIPTS / "benchmark.py"), "--lengths", str(n), "--ks", "16",
            "--ffn-chunk-size", "0,8", "--encoder-layers", "1", "--encoder-embed-dim", "32",
            "--encoder-ffn-embed-dim", str(ffn), "--encoder-attention-heads", str(heads), "--threads", "1",
-           "--repeats", "2", "--max-batch-budget-gb", "0.03", "--out-dir", str(out)]  # fmt: skip
+           "--min-run-time", "0.05", "--max-batch-budget-gb", "0.03", "--out-dir", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     report = json.loads((out / "benchmark.json").read_text())
-    points = {(bench.label(p["spec"]), p["spec"]["n"]): p for p in report["points"]}
-    assert set(points) == {(m, n_max) for m in ("roberta-fused", "roberta-explicit", "linformer-k16",
-                                                "linformer-k16-chunk8")}  # fmt: skip
-    assert all(p["status"] == "ok" and len(p["seconds"]) == 2 for p in points.values())
-    peak = {key: p["peak_bytes"] for key, p in points.items()}
+    points = {p["spec"]["label"]: p for p in report["points"]}
+    assert list(points) == ["roberta-fused", "roberta-explicit", "linformer-k16", "linformer-k16-chunk8"]
+    assert all(p["status"] == "ok" and p["seconds"] and p["spec"]["n"] == n for p in points.values())
+    peak = {name: p["peak_bytes"] for name, p in points.items()}
     # the explicit path holds the fp32 n x n scores of every head; the fused kernel never does
-    assert peak["roberta-explicit", n_max] - peak["roberta-fused", n_max] >= heads * n_max * n_max * 4
+    assert peak["roberta-explicit"] - peak["roberta-fused"] >= heads * n * n * 4
     # chunking the FFN over 8 positions removes most of its n x ffn intermediate
-    assert peak["linformer-k16", n_max] - peak["linformer-k16-chunk8", n_max] >= (n_max - 8) * ffn * 4
-    batches = {key: p["max_batch"] for key, p in points.items()}
-    assert 0 < batches["roberta-explicit", n_max] < batches["roberta-fused", n_max]
-    assert batches["linformer-k16-chunk8", n_max] > batches["linformer-k16", n_max]
+    assert peak["linformer-k16"] - peak["linformer-k16-chunk8"] >= (n - 8) * ffn * 4
+    batches = {name: p["max_batch"] for name, p in points.items()}
+    assert 0 < batches["roberta-explicit"] < batches["roberta-fused"]
+    assert batches["linformer-k16-chunk8"] > batches["linformer-k16"]
 
-    rows = {(r["model"], r["n"]): r for r in bench.summarize(report)}
-    row = rows["linformer-k16", n_max]
-    assert row["time_vs_fused"] == pytest.approx(bench.ms_per_seq(points["roberta-fused", n_max])
-                                                 / bench.ms_per_seq(points["linformer-k16", n_max]))  # fmt: skip
-    assert row["flop_ideal"] == pytest.approx(bench.encoder_flops(64, 32, ffn, 1) / bench.encoder_flops(
-        64, 32, ffn, 1, 16, "layerwise"))  # fmt: skip
-    table = (out / "benchmark.md").read_text()
-    assert "| 64 | 16 | linformer-k16-chunk8 |" in table and "roberta-explicit" in table
-    assert (out / "benchmark.csv").read_text().count("\n") == 1 + len(points)
+    # the report's rows and ratios are the JSON's, computed here independently
+    text = (out / "benchmark.md").read_text()
+    assert text in proc.stdout
+    measured, time_saved, memory_saved = markdown_tables(text).values()
+    assert [(r["model"], r["status"]) for r in measured] == [(name, "ok") for name in points]
+    assert float(measured[0]["ms_per_seq"]) == pytest.approx(ms_per_seq(points["roberta-fused"]), abs=0.051)
+    rows = {r["model"]: r for r in time_saved}
+    assert list(rows) == ["linformer-k16", "linformer-k16-chunk8"]
+    lin, fused, explicit = points["linformer-k16"], points["roberta-fused"], points["roberta-explicit"]
+    assert rows["linformer-k16"]["vs fused"] == f"{ms_per_seq(fused) / ms_per_seq(lin):.2f}x"
+    at_max = ms_per_seq_at_max_batch(explicit) / ms_per_seq_at_max_batch(lin)
+    assert rows["linformer-k16"]["max batch vs explicit"] == f"{at_max:.2f}x"
+    flop_ideal = bench.encoder_flops(n, 32, ffn, 1) / bench.encoder_flops(n, 32, ffn, 1, 16, "layerwise")
+    assert rows["linformer-k16"]["FLOP-ideal"] == f"{flop_ideal:.2f}x" != "1.00x"
+    assert "paper" not in rows["linformer-k16"]  # the paper has no n = 64: the column is left out
+    memory = {r["model"]: r for r in memory_saved}["linformer-k16-chunk8"]
+    mib = {name: p / 2**20 for name, p in peak.items()}
+    assert memory["peak vs explicit"] == f"{mib['roberta-explicit'] / mib['linformer-k16-chunk8']:.2f}x"
+    assert memory["max batch vs fused"] == f"{batches['linformer-k16-chunk8'] / batches['roberta-fused']:.2f}x"
+
+    with open(out / "benchmark.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [r["model"] for r in table] == list(points)
+    assert int(table[2]["flops_per_seq"]) == bench.encoder_flops(n, 32, ffn, 1, 16, "layerwise")
     assert (out / "time_vs_length.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # --resume reuses every finished point instead of measuring again
@@ -102,18 +141,30 @@ def test_tiny_grid_end_to_end(tmp_path):
     assert [p["seconds"] for p in again["points"]] == [p["seconds"] for p in report["points"]]
 
 
-def test_points_over_the_memory_limit_are_skipped_and_reported(tmp_path, capsys):
+def test_points_over_the_memory_limit_are_skipped_and_reported(tmp_path):
     bench.main(["--lengths", "1024", "--ks", "128", "--memory-limit-gb", "0.01", "--out-dir", str(tmp_path)])
     report = json.loads((tmp_path / "benchmark.json").read_text())
     assert [p["status"] for p in report["points"]] == ["skipped"] * 3
-    assert "skipped: estimated" in (tmp_path / "benchmark.md").read_text()
+    measured = markdown_tables((tmp_path / "benchmark.md").read_text())
+    rows = next(iter(measured.values()))
+    assert [r["status"] for r in rows] == ["skipped"] * 3 and rows[0]["note"].startswith("needs more than --memory-limit-gb")
+    assert "ms_per_seq" not in rows[0]  # nothing measured: the column is left out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--baselines", "fused,flash"], "--baselines: unknown"),
-    (["--compress-type", "mean", "--lengths", "1000", "--ks", "128"], "needs n divisible by k: n=1000"),
-    (["--encoder-embed-dim", "100"], "not divisible by --encoder-attention-heads 12"),
-])  # fmt: skip
-def test_bad_arguments_fail_naming_the_value(argv, message, tmp_path):
-    with pytest.raises(SystemExit, match=message):
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--baselines", "fused,flash"], "error: --baselines: unknown ['flash']"),
+        (["--compress-type", "mean", "--lengths", "1000", "--ks", "128"], "needs n divisible by k: n=1000"),
+        (["--encoder-embed-dim", "100"], "error: --encoder-embed-dim 100 is not divisible by"),
+        (["--batch-size", "0"], "error: --batch-size must be >= 1, got 0"),
+        (["--max-batch-budget-gb", "8", "--memory-limit-gb", "4"], "exceeds --memory-limit-gb 4.0"),
+        (["--lengths", "512,x"], "error: argument --lengths: invalid positive value: '512,x'"),
+        (["--ks", "0"], "error: argument --ks: expected integers >= 1, got '0'"),
+    ],
+)
+def test_bad_arguments_fail_naming_the_value(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
         bench.main(argv + ["--out-dir", str(tmp_path)])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before measuring anything

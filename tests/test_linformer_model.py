@@ -75,7 +75,7 @@ def test_exact_against_fairseq_attention_when_k_equals_n_and_projections_are_ide
 
 
 @pytest.mark.parametrize(
-    "kind,sharing,length_norm", itertools.product(COMPRESS_TYPES, COMPRESS_SHARING, LENGTH_NORM_POWERS)
+    "kind,sharing,length_norm", list(itertools.product(COMPRESS_TYPES, COMPRESS_SHARING, LENGTH_NORM_POWERS))
 )
 def test_padding_invariance_and_backward(kind, sharing, length_norm):
     """A sentence's outputs at its real tokens do not depend on how far its batch pads it,
@@ -181,7 +181,7 @@ def assert_weights_reproduce_output(attn, head_weights, values, out):
     torch.testing.assert_close(attn.out_proj(mixed), out, atol=1e-5 * out.abs().max(), rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind,sharing", itertools.product(COMPRESS_TYPES, ("none", "headwise", "kv")))
+@pytest.mark.parametrize("kind,sharing", list(itertools.product(COMPRESS_TYPES, ("none", "headwise", "kv"))))
 def test_need_weights_path_matches_the_sdpa_path_with_padding(kind, sharing):
     """need_weights computes attention by hand (to return the weights); it must give the
     SDPA path's output, with padding, for every kind, and its weights must be what it
@@ -304,7 +304,7 @@ def assert_within_half_precision(out, ref, real, dtype, max_eps, mean_eps):
 # residual stream, so the module is checked at its own xavier initialisation). A softmax
 # computed in half precision (max-subtracted) stays within the bounds: torch's CPU kernels
 # accumulate half-precision reductions in fp32, so it is not a precision bug there.
-@pytest.mark.parametrize("dtype,kind", itertools.product(HALF, COMPRESS_TYPES))
+@pytest.mark.parametrize("dtype,kind", list(itertools.product(HALF, COMPRESS_TYPES)))
 def test_half_precision_attention_on_cpu_tracks_fp32(dtype, kind):
     torch.manual_seed(0)
     attn = attention(64, 4, 32, 8, kind=kind, init="xavier", length_norm="sqrt").eval()
@@ -318,7 +318,7 @@ def test_half_precision_attention_on_cpu_tracks_fp32(dtype, kind):
     assert_within_half_precision(out, ref, ~pad_mask.t(), dtype, max_eps=2.0, mean_eps=0.4)
 
 
-@pytest.mark.parametrize("dtype,kind", itertools.product(HALF, COMPRESS_TYPES))
+@pytest.mark.parametrize("dtype,kind", list(itertools.product(HALF, COMPRESS_TYPES)))
 def test_half_precision_forward_on_cpu_tracks_fp32(dtype, kind):
     src = tokens(24, batch=2)
     src[1, 17:] = 1  # padding
@@ -487,7 +487,7 @@ def test_architectures_from_fairseq_train_flags(arch, layers, dim, tmp_path):
     assert (model_cfg.max_positions, model_cfg.compressed_dim, model_cfg.compress_sharing) == (512, 64, "layerwise")
 
 
-@pytest.mark.parametrize("length_norm,groups", itertools.product(LENGTH_NORM_POWERS, (1, 3)))
+@pytest.mark.parametrize("length_norm,groups", list(itertools.product(LENGTH_NORM_POWERS, (1, 3))))
 def test_length_norm_scales_each_sentence_by_its_own_length(length_norm, groups):
     """With E constant, a constant input projects at T real tokens to T/n of its rows at
     T = n; the (n/T)^p factor, T read per sentence from the padding mask, must leave exactly

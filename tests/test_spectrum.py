@@ -150,14 +150,17 @@ def test_binarized_text_curves_and_summary(wikitext_bin, tmp_path):
     assert (out / "spectrum.png").stat().st_size > 10_000
 
 
-def test_bad_inputs_fail_naming_the_value(tmp_path):
+def test_bad_inputs_fail_naming_the_value(tmp_path, capsys):
     models.write_dict(tmp_path, ["w0", "w1"])
     ckpt = tiny_checkpoint("roberta", tmp_path, tmp_path / "model.pt")
     (tmp_path / "short.txt").write_text("w0 w1 w0\n")
-    base = ["--checkpoint", str(ckpt), "--out-dir", str(tmp_path / "out")]
-    with pytest.raises(SystemExit, match="--seq-len 64 must be in 2..32"):
-        spectrum.main(base + ["--text", str(tmp_path / "short.txt"), "--seq-len", "64"])
-    with pytest.raises(SystemExit, match="the input has 4 tokens"):
-        spectrum.main(base + ["--text", str(tmp_path / "short.txt")])
-    with pytest.raises(SystemExit, match="no dict.txt in"):
-        spectrum.main(base + ["--text", str(tmp_path / "short.txt"), "--data", str(tmp_path / "nowhere")])
+    base = ["--checkpoint", str(ckpt), "--out-dir", str(tmp_path / "out"), "--text", str(tmp_path / "short.txt")]
+    for extra, message in [
+        (["--seq-len", "64"], "--seq-len 64 must be in 2..32"),
+        ([], "the input has 4 tokens"),
+        (["--data", str(tmp_path / "nowhere")], "no dict.txt in"),
+    ]:
+        with pytest.raises(SystemExit) as stopped:
+            spectrum.main(base + extra)
+        assert stopped.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -181,9 +181,11 @@ class SequenceProjection(nn.Module):
         power = f", length_power={self.length_power}" if self.kind == "linear" else ""
         return f"{self.kind}, n={self.max_positions}, k={self.k}, groups={self.groups}{power}"
 
-    def forward(self, x: Tensor, pad_mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    def forward(self, x: Tensor, pad_mask: Tensor | None, weight: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """x: ``T x B x C`` with zeros at its pad positions; pad_mask: ``B x T`` (True at
-        pads) or None.
+        pads) or None. ``weight`` replaces this projection's own by matrices or kernels of the
+        same kind stacked along the rows or groups: the attention projects with E and F in one
+        product that way.
 
         Returns the projection ``k' x B x C`` and a ``B x k'`` mask of the rows that hold at
         least one real token (None when every row does).
@@ -193,19 +195,22 @@ class SequenceProjection(nn.Module):
                 f"sequence length {x.size(0)} exceeds max_positions {self.max_positions} of the "
                 f"Linformer projection (its E/F matrices are k x max_positions)"
             )
+        weight = self.weight if weight is None else weight
         if self.kind == "linear":
-            return self._linear(x, pad_mask), None
-        return self._pooled(x, pad_mask)
+            return self._linear(x, pad_mask, weight), None
+        return self._pooled(x, pad_mask, weight)
 
-    def _linear(self, x: Tensor, pad_mask: Tensor | None) -> Tensor:
+    def _linear(self, x: Tensor, pad_mask: Tensor | None, weight: Tensor) -> Tensor:
         T, B, C = x.shape
-        E = self.weight[..., :T]
-        if self.groups == 1:
+        E = weight[..., :T]
+        rows = E.size(-2)
+        if E.dim() == 2:
             # T x B x C is T x (B*C) in memory: one GEMM, no permute
-            out = torch.matmul(E, x.reshape(T, B * C)).view(self.k, B, C)
-        else:
-            x = x.reshape(T, B, self.groups, C // self.groups)
-            out = torch.einsum("gkt,tbgd->kbgd", E, x).reshape(self.k, B, C)
+            out = torch.matmul(E, x.reshape(T, B * C)).view(rows, B, C)
+        else:  # one matrix per group of channels (per head)
+            groups = E.size(0)
+            x = x.reshape(T, B, groups, C // groups)
+            out = torch.einsum("gkt,tbgd->kbgd", E, x).reshape(rows, B, C)
         if self.length_power == 0.0 or (pad_mask is None and T == self.max_positions):
             return out  # factor 1: every full pretraining block
         # in place: `out` is a fresh product that its backward does not need
@@ -214,7 +219,7 @@ class SequenceProjection(nn.Module):
         lengths = (~pad_mask).sum(1).clamp(min=1).to(out.dtype)  # each sentence's own T
         return out.mul_((self.max_positions / lengths).pow(self.length_power).view(1, B, 1))
 
-    def _pooled(self, x: Tensor, pad_mask: Tensor | None):
+    def _pooled(self, x: Tensor, pad_mask: Tensor | None, weight: Tensor | None):
         T, B, C = x.shape
         s = self.stride
         rows = -(-T // s)
@@ -238,12 +243,12 @@ class SequenceProjection(nn.Module):
             else:
                 count = real.sum(-1).t().unsqueeze(-1).clamp(min=1).to(x.dtype)
             out = windows.sum(dim=1) / count
-        else:  # conv
-            w = self.weight.to(x.dtype)
-            if self.groups == 1:
+        else:  # conv: one kernel per group of channels (per head)
+            w = weight.to(x.dtype)
+            if w.size(0) == 1:
                 out = torch.einsum("wsbc,s->wbc", windows, w[0])
             else:
-                g = windows.view(rows, s, B, self.groups, C // self.groups)
+                g = windows.view(rows, s, B, w.size(0), C // w.size(0))
                 out = torch.einsum("wsbgd,gs->wbgd", g, w).reshape(rows, B, C)
         return out, kept
 
@@ -306,16 +311,28 @@ class LinformerMultiheadAttention(nn.Module):
         return [m.weight for m in (self.compress_k, self.compress_v) if m is not None and m.weight is not None]
 
     def project_keys_values(self, x: Tensor, pad_mask: Tensor | None):
-        """Projected keys and values, ``k' x B x C`` each, and the ``B x k'`` row mask."""
+        """Projected keys and values, ``k' x B x C`` each, and the ``B x k'`` row mask.
+
+        Keys and values are computed together wherever they can be: E and F stacked into one
+        GEMM (headwise), and under ``none`` W_K and W_V in one GEMM, then every head's E_i and
+        F_i in one batched product over the 2H heads of [X W_K, X W_V]."""
         if pad_mask is not None:  # pads then contribute nothing to E X (nor to X W, bias-free)
             x = x.masked_fill(pad_mask.t().unsqueeze(-1), 0.0)
+        E, Fv = self.compress_k.weight, None if self.compress_v is None else self.compress_v.weight
         if self.compress_sharing == "none":
-            k, kept = self.compress_k(F.linear(x, self.k_proj.weight), pad_mask)
-            v, _ = self.compress_v(F.linear(x, self.v_proj.weight), pad_mask)
+            kv = F.linear(x, torch.cat([self.k_proj.weight, self.v_proj.weight]))
+            both, kept = self.compress_k(kv, pad_mask, None if E is None else torch.cat([E, Fv]))
+            k, v = both.split(self.embed_dim, dim=-1)
             return k + self.k_proj.bias, v + self.v_proj.bias, kept
-        xk, kept = self.compress_k(x, pad_mask)
-        xv = xk if self.compress_v is None else self.compress_v(x, pad_mask)[0]
-        return self.k_proj(xk), self.v_proj(xv), kept
+        if self.compress_v is None or Fv is None:  # E = F, or pooling: one projection for both
+            xk, kept = self.compress_k(x, pad_mask)
+            return self.k_proj(xk), self.v_proj(xk), kept
+        if self.compress_k.kind == "linear":
+            both, kept = self.compress_k(x, pad_mask, torch.cat([E, Fv]))
+            xk, xv = both.chunk(2)
+            return self.k_proj(xk), self.v_proj(xv), kept
+        xk, kept = self.compress_k(x, pad_mask)  # conv: two kernels of their own
+        return self.k_proj(xk), self.v_proj(self.compress_v(x, pad_mask)[0]), kept
 
     def forward(
         self,

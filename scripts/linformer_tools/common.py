@@ -1,8 +1,14 @@
 """Paths, failing on bad input, and writing outputs whole."""
+
+import csv
+import io
 import os
+import platform
 import shutil
 import sys
+import time
 from contextlib import contextmanager
+from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,3 +54,45 @@ def atomic(final):
 def write_text(path, text: str):
     with atomic(path) as tmp:
         tmp.write_text(text)
+
+
+def cell(value) -> str:
+    """A table cell: '-' for no value, floats to one decimal."""
+    return "-" if value is None else f"{value:.1f}" if isinstance(value, float) else str(value)
+
+
+def markdown_table(rows, leave_out=()) -> str:
+    """Markdown of dict rows, without the columns in ``leave_out`` or without any value."""
+    if not rows:
+        return "(none)\n"
+    header = [h for h in rows[0] if h not in leave_out and any(r[h] is not None for r in rows)]
+    lines = [header, ["---" if h in ("model", "run", "status", "note") else "---:" for h in header]]
+    lines += [[cell(r[h]) for h in header] for r in rows]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines) + "\n"
+
+
+def write_csv(path, rows, fields):
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=fields)
+    writer.writeheader()
+    writer.writerows(rows)
+    write_text(path, buf.getvalue())
+
+
+def machine(device: str = "cpu") -> dict:
+    """What a measurement ran on: hardware, versions, date (without importing fairseq, seconds to load)."""
+    import torch
+
+    cpus = [
+        line.split(":", 1)[1].strip()
+        for line in Path("/proc/cpuinfo").read_text().splitlines()
+        if line.startswith("model name")
+    ]
+    cpu = f"{(cpus or [platform.machine()])[0]}, {os.cpu_count()} logical CPUs"
+    return dict(
+        hardware=torch.cuda.get_device_name(0) if device == "cuda" else cpu,
+        torch=torch.__version__,
+        fairseq=metadata.version(metadata.packages_distributions().get("fairseq", ["fairseq"])[0]),
+        python=platform.python_version(),
+        date=time.strftime("%Y-%m-%d %H:%M"),
+    )

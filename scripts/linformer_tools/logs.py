@@ -9,6 +9,7 @@ one of two formats:
 records() gives both as dicts with the keys as in the json format, minus its 'valid_'/'train_'
 prefix, values as floats where they are numbers.
 """
+
 import json
 import re
 from pathlib import Path

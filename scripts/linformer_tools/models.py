@@ -34,17 +34,18 @@ def write_dict(directory, words):
         f.writelines(f"{w} 1\n" for w in words)
 
 
-def build_model(arch: str, model_flags, data_dir):
+def build_model(arch: str, model_flags, data_dir, user_dir=PLUGIN_DIR):
     """Build ``arch`` exactly as fairseq-train would: parse ``model_flags`` with fairseq's
-    training parser (plugin loaded through --user-dir), set up the masked_lm task on
-    ``data_dir`` (which holds dict.txt) and call ``task.build_model``.
+    training parser (``user_dir`` loaded through --user-dir: this plugin, or another, such as
+    fairseq's original Linformer example), set up the masked_lm task on ``data_dir`` (which
+    holds dict.txt) and call ``task.build_model``.
 
     Returns (model, cfg); the weights are fairseq's random initialisation.
     """
     from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-    argv = [str(data_dir), "--task", "masked_lm", "--user-dir", str(PLUGIN_DIR), "--arch", arch, *model_flags]
+    argv = [str(data_dir), "--task", "masked_lm", "--user-dir", str(user_dir), "--arch", arch, *model_flags]
     args = options.parse_args_and_arch(options.get_training_parser(), argv)
     cfg = convert_namespace_to_omegaconf(args)
     task = tasks.setup_task(cfg.task)

@@ -1,0 +1,440 @@
+#!/usr/bin/env python
+"""Time and peak memory of linformer_roberta against fairseq's RoBERTa of the same widths (paper Table 3, Figure 2
+top right) over a grid of sequence lengths n and projected lengths k, each point in a fresh process: inference
+(a forward) or training (forward, masked-LM loss, backward and Adam step), optionally next to fairseq's original
+Linformer example. Writes benchmark.{md,csv,json} and time_vs_length.png to --out-dir. Method, columns and
+figures: docs/benchmarks.md."""
+
+import argparse
+import functools
+import itertools
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.utils import benchmark
+
+from linformer_tools import models
+from linformer_tools.common import cell, fail, machine, markdown_table, write_csv, write_text
+
+VOCAB_SIZE = 50265  # RoBERTa's GPT-2 BPE vocabulary
+GIB, MIB = 1024**3, 1024**2
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+BASELINES = ("fused", "explicit")
+# Paper Table 3, Linformer (layerwise sharing) over the Transformer on a 16 GB V100, for k = 128, 256, ..., 2048 < n:
+# time saved | memory saved (the largest batch that fits)
+PAPER_KS = (128, 256, 512, 1024, 2048)
+PAPER = {
+    512: "1.5 1.3 | 1.7 1.5",
+    1024: "1.7 1.6 1.3 | 3.0 2.9 1.8",
+    2048: "2.6 2.4 2.1 1.3 | 6.1 5.6 3.6 2.0",
+    4096: "3.4 3.2 2.8 2.2 1.3 | 14 13 8.3 4.3 2.3",
+    8192: "5.5 5.0 4.4 3.5 2.1 | 28 26 17 8.5 4.5",
+    16384: "8.6 7.8 7.0 5.6 3.3 | 56 48 32 16 8",
+    32768: "13 12 11 8.8 5.0 | 56 48 36 18 16",
+    65536: "20 18 16 14 7.9 | 60 52 40 20 18",
+}
+
+
+def int_list(text, least=0):  # argparse reports a ValueError as "invalid int_list value: 'TEXT'"
+    if min(values := [int(v) for v in text.split(",")]) < least:
+        raise argparse.ArgumentTypeError(f"expected integers >= {least}, got {text!r}")
+    return values
+
+
+def positive(text):
+    return int_list(text, least=1)
+
+
+def get_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    arg = p.add_argument
+    arg("--mode", default="inference", choices=sorted(STEPS), help="what one timed step is")
+    arg("--lengths", type=positive, default=[2**i for i in range(9, 17)], help="sequence lengths n, comma-separated")
+    arg("--ks", type=positive, default=list(PAPER_KS), help="projected lengths k; only k < n runs")
+    arg("--ffn-chunk-size", type=int_list, default=[0], help="one Linformer per value; 0: no chunking")
+    arg("--compress-sharing", default="layerwise", choices=["none", "headwise", "kv", "layerwise"], help="Linformer's")
+    arg("--compress-type", default="linear", choices=["linear", "mean", "max", "conv"], help="Linformer's")
+    arg("--baselines", default="fused,explicit", help="RoBERTa baselines, from fused,explicit")
+    arg("--baseline-user-dir", type=Path, help="fairseq's original example (examples/linformer/linformer_src): adds it")
+    arg("--checkpoint-activations", action="store_true", help="every model recomputes activations in backward")
+    arg("--profile", action="store_true", help="also write each point's torch.profiler table of one step")
+    for name, default in [("layers", 12), ("embed-dim", 768), ("ffn-embed-dim", 3072), ("attention-heads", 12)]:
+        arg(f"--encoder-{name}", type=int, default=default, help="every model's")
+    arg("--batch-size", type=int, default=1, help="sequences per step")
+    arg("--dtype", default="fp32", choices=sorted(DTYPES), help="weights and activations")
+    arg("--device", default="cpu", choices=["cpu", "cuda"], help="where the models run")
+    arg("--threads", type=int, default=0, help="CPU threads per point; 0: torch's choice")
+    arg("--min-run-time", type=float, default=1.0, help="seconds of timed steps per point (at least one step)")
+    arg("--memory-limit-gb", type=float, default=0.0, help="memory allowed per point; 0: most of the free memory")
+    arg("--max-batch-budget-gb", type=float, default=0.0, help="also time the largest batch that fits; 0: off")
+    arg("--timeout", type=float, default=900, help="seconds allowed per point")
+    arg("--out-dir", type=Path, default=Path("benchmark-results"), help="where the outputs go")
+    arg("--resume", action="store_true", help="keep the finished points of --out-dir/benchmark.json")
+    arg("--worker", help=argparse.SUPPRESS)  # one point, as JSON: how the parent runs it in a fresh process
+    return p
+
+
+def encoder_flops(n, d, f, layers, k=None, sharing="layerwise", kind="linear"):
+    """Matmul FLOPs of the encoder layers on one sequence (docs/benchmarks.md: FLOP-ideal ratio); k=None: RoBERTa."""
+    ffn = 4 * n * d * f
+    if k is None:
+        return layers * (8 * n * d * d + 4 * n * n * d + ffn)
+    rows = k if kind == "linear" else -(-n // (n // k))
+    kv_maps = 4 * (n if sharing == "none" else rows) * d * d
+    projections = 2 if sharing in ("none", "headwise") else 1
+    per_projection = {"linear": 2 * k * n * d, "conv": 2 * n * d}.get(kind, 0)
+    return layers * (4 * n * d * d + kv_maps + projections * per_projection + 4 * n * rows * d + ffn)
+
+
+# ---------------------------------------------------------------- one point, in its own process
+def build_point_model(spec):
+    dropout = 0.1 if spec["mode"] == "training" else 0.0  # the pretraining recipe's
+    n, sizes = spec["n"], ("encoder_layers", "encoder_embed_dim", "encoder_ffn_embed_dim", "encoder_attention_heads")
+    flags = " ".join(f"--{key.replace('_', '-')} {spec[key]}" for key in sizes)
+    flags += f" --max-positions {n} --tokens-per-sample {n} --dropout {dropout} --attention-dropout {dropout}"
+    user_dir, arch = models.PLUGIN_DIR, "linformer_roberta_base" if spec["k"] else "roberta_base"
+    if spec["model"] == "linformer":
+        flags += (
+            f" --compressed-dim {spec['k']} --compress-sharing {spec['compress_sharing']} "
+            f"--compress-type {spec['compress_type']} --ffn-chunk-size {spec['ffn_chunk']}"
+        )
+    elif spec["model"] == "original":  # its flags: k = n // compressed; sharing by two switches
+        user_dir = spec["baseline_user_dir"]
+        flags += f" --compressed {spec['n'] // spec['k']}"
+        flags += {"kv": " --shared-kv-compressed 1", "layerwise": " --shared-layer-kv-compressed 1"}.get(
+            spec["compress_sharing"], ""
+        )
+    if spec["checkpoint_activations"]:
+        flags += " --checkpoint-activations"
+    with tempfile.TemporaryDirectory() as data_dir:
+        models.write_dict(data_dir, [f"w{i}" for i in range(VOCAB_SIZE - models.FIRST_WORD_ID - 1)])  # + <mask>
+        model, _ = models.build_model(arch, flags.split(), data_dir, user_dir)
+    if spec["model"] == "roberta-explicit" and models.force_explicit_attention(model) != spec["encoder_layers"]:
+        raise RuntimeError("could not switch every layer to the explicit attention path")
+    return model.to(device=spec["device"], dtype=DTYPES[spec["dtype"]])
+
+
+def inference_step(model, spec, batch):
+    """One forward of the encoder alone (the masked-LM head is the same in every model) on random tokens."""
+    model.eval()
+    tokens = torch.randint(models.FIRST_WORD_ID, VOCAB_SIZE, (batch, spec["n"]), device=spec["device"])
+    return torch.inference_mode()(lambda: model(tokens, features_only=True))
+
+
+def training_step(model, spec, batch):
+    """One update as fairseq-train makes it, without the data loader: the masked-LM logits of 15% of the positions
+    (fairseq's masked_lm task and criterion), cross-entropy, backward, Adam step."""
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01)
+    tokens = torch.randint(models.FIRST_WORD_ID, VOCAB_SIZE, (batch, spec["n"]), device=spec["device"])
+    masked = torch.rand(tokens.shape, device=spec["device"]) < 0.15
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(tokens, masked_tokens=masked)[0]
+        torch.nn.functional.cross_entropy(logits.float(), tokens[masked]).backward()
+        optimizer.step()
+
+    return step
+
+
+# mode -> maker of its timed step for a batch size
+STEPS = {"inference": inference_step, "training": training_step}
+
+
+def seconds_per_step(step, min_run_time):
+    """Seconds per step, one sample per block of steps (blocked_autorange warms up while it sizes the blocks)."""
+    # Timer runs on one thread unless told otherwise
+    timer = benchmark.Timer("step()", globals={"step": step}, num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time).times
+
+
+def peak_bytes(step, device):
+    """The most memory the allocator held during one step beyond what it held before it."""
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        return torch.cuda.max_memory_allocated() - before
+    # the CPU allocator keeps no peak counter, but the profiler records its every allocation and free
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    return max(itertools.accumulate((e.nbytes() for e in sorted(events, key=lambda e: e.start_ns())), initial=0))
+
+
+def profile(step):
+    """Where one step's time goes, by operator: the matmuls (mm, addmm, bmm, attention kernels) and the rest."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+
+
+def max_batch(model, step_for, spec):
+    """The largest batch whose weights + peak fit the budget: the peak is linear in the batch, so predict it from
+    two batches, then step down until a measured one fits (on CUDA also without running out of memory)."""
+    budget, batch, device = spec["max_batch_budget_gb"] * GIB, spec["batch_size"], spec["device"]
+    weights = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+    p1, p2 = (peak_bytes(step_for(b), device) for b in (batch, 2 * batch))
+    slope = max((p2 - p1) / batch, 1.0)
+    best = int((budget - weights - (p1 - slope * batch)) // slope)
+    while best > 0:
+        try:
+            if weights + peak_bytes(step_for(best), device) <= budget:
+                return best
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+        best = min(best - 1, int(best * 0.9))
+    return 0
+
+
+def run_worker(spec):
+    models.import_fairseq()
+    torch.set_num_threads(spec["threads"] or torch.get_num_threads())
+    limit = int(spec["memory_limit_gb"] * GIB)  # past it an allocation fails at once, instead of swapping
+    if spec["device"] == "cuda":
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / torch.cuda.get_device_properties(0).total_memory))
+    else:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    torch.manual_seed(0)
+    try:
+        model = build_point_model(spec)
+        step_for = functools.partial(STEPS[spec["mode"]], model, spec)
+        step = step_for(spec["batch_size"])
+        result = {
+            "seconds": seconds_per_step(step, spec["min_run_time"]),
+            "peak_bytes": peak_bytes(step, spec["device"]),
+        }
+        if spec["profile"]:
+            result["profile"] = profile(step)
+        if spec["max_batch_budget_gb"] and (best := max_batch(model, step_for, spec)):
+            result |= {"max_batch": best, "max_batch_seconds": seconds_per_step(step_for(best), spec["min_run_time"])}
+    except (MemoryError, RuntimeError) as e:  # CPU: RuntimeError "... can't allocate memory", CUDA: OutOfMemoryError
+        if not isinstance(e, MemoryError) and "memory" not in str(e):
+            raise
+        result = {"status": "skipped", "note": f"needs more than --memory-limit-gb {spec['memory_limit_gb']:.1f}"}
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------- the grid
+# the settings every point of a grid shares, named as the flags
+SPEC_KEYS = (
+    "mode encoder_layers encoder_embed_dim encoder_ffn_embed_dim encoder_attention_heads batch_size dtype device "
+    "threads min_run_time memory_limit_gb max_batch_budget_gb compress_sharing compress_type "
+    "checkpoint_activations baseline_user_dir profile"
+).split()
+
+
+def make_grid(args):
+    common = {key: getattr(args, key) for key in SPEC_KEYS}
+    specs = []
+    for n in sorted(set(args.lengths)):
+        for b in args.baselines.split(","):
+            specs.append(dict(common, model=f"roberta-{b}", label=f"roberta-{b}", n=n, k=None, ffn_chunk=0))
+        for k, c in itertools.product([k for k in sorted(set(args.ks)) if k < n], args.ffn_chunk_size):
+            name = f"linformer-k{k}" + (f"-chunk{c}" if c else "")
+            specs.append(dict(common, model="linformer", label=name, n=n, k=k, ffn_chunk=c))
+        for k in [k for k in sorted(set(args.ks)) if k < n] if args.baseline_user_dir else []:
+            specs.append(dict(common, model="original", label=f"original-k{k}", n=n, k=k, ffn_chunk=0))
+    return specs
+
+
+def check_args(args):
+    if args.baseline_user_dir:
+        if not (args.baseline_user_dir / "models" / "linformer_roberta.py").is_file():
+            fail(
+                f"--baseline-user-dir {args.baseline_user_dir}: no models/linformer_roberta.py (fairseq's "
+                "examples/linformer/linformer_src)"
+            )
+        if args.compress_sharing == "none" or args.compress_type != "linear":
+            fail("--baseline-user-dir: the original example has linear projections shared headwise, kv or layerwise")
+        if bad := [(n, k) for n in args.lengths for k in args.ks if k < n and n % k]:
+            fail(f"--baseline-user-dir: the original example needs n divisible by k (k = n // compressed), got {bad}")
+        args.baseline_user_dir = str(args.baseline_user_dir.resolve())
+    if bad := set(args.baselines.split(",")) - set(BASELINES):
+        fail(f"--baselines: unknown {sorted(bad)}; choose from {sorted(BASELINES)}")
+    sizes = ("encoder_layers", "encoder_embed_dim", "encoder_ffn_embed_dim", "encoder_attention_heads", "batch_size")
+    for name in sizes:
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if (d := args.encoder_embed_dim) % (heads := args.encoder_attention_heads):
+        fail(f"--encoder-embed-dim {d} is not divisible by --encoder-attention-heads {heads}")
+    for n in args.lengths if args.compress_type != "linear" else []:
+        if bad := [k for k in args.ks if k < n and n % k]:
+            fail(f"--compress-type {args.compress_type} needs n divisible by k: n={n}, k={bad}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
+    if not args.memory_limit_gb and args.device == "cuda":
+        args.memory_limit_gb = 0.9 * torch.cuda.get_device_properties(0).total_memory / GIB
+    elif not args.memory_limit_gb:
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        args.memory_limit_gb = 0.8 * int(meminfo["MemAvailable"].split()[0]) * 1024 / GIB
+    if args.max_batch_budget_gb > args.memory_limit_gb:
+        fail(f"--max-batch-budget-gb {args.max_batch_budget_gb} exceeds --memory-limit-gb {args.memory_limit_gb:.1f}")
+
+
+def run_point(spec, timeout):
+    """One point in a fresh interpreter, so that none inherits another's allocator state or caches."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "note": f"did not finish in {timeout:.0f} s"}
+    result = [line.removeprefix("RESULT ") for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not result:
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return {"status": "error", "note": f"exit {proc.returncode}: {tail}"}
+    return {"status": "ok", **json.loads(result[-1])}
+
+
+def run_grid(args, argv):
+    specs, out, key = make_grid(args), args.out_dir / "benchmark.json", functools.partial(json.dumps, sort_keys=True)
+    done = {}
+    if args.resume and out.exists():
+        points = json.loads(out.read_text())["points"]
+        done = {key(p["spec"]): p for p in points if p["status"] == "ok"}
+    command = " ".join([Path(__file__).name, *argv])
+    environment = dict(command=command, **machine(args.device), threads=args.threads or torch.get_num_threads())
+    report = {"environment": environment, "points": []}
+    given_up = {}  # label -> why its longer lengths are skipped
+    for i, spec in enumerate(specs, 1):
+        name = spec["label"]
+        if key(spec) in done:
+            record = done[key(spec)]
+        elif name in given_up:
+            record = {"spec": spec, "status": "skipped", "note": given_up[name]}
+        else:
+            record = {"spec": spec, **run_point(spec, args.timeout)}
+            if "profile" in record:
+                write_text(args.out_dir / f"profile-{name}-n{spec['n']}.txt", record.pop("profile"))
+            if record["status"] != "ok":
+                given_up[name] = f"{record['status']} at n={spec['n']}"
+        report["points"].append(record)
+        shown = {h: v for h, v in row(record).items() if h in ("ms_per_seq", "peak_mib", "max_batch", "status", "note")}
+        print(f"[{i}/{len(specs)}] {name} n={spec['n']}: " + ", ".join(f"{h} {cell(v)}" for h, v in shown.items() if v))
+        write_text(out, json.dumps(report, indent=1))  # after every point: an interrupted run keeps what finished
+    return report
+
+
+# ---------------------------------------------------------------- reports
+CSV_FIELDS = (
+    "model n k ffn_chunk batch_size dtype device ms_per_seq ms_min ms_max words_per_s seqs_per_s peak_mib max_batch "
+    "ms_per_seq_at_max_batch flops_per_seq flop_ideal status note"
+).split()
+
+
+def row(point):
+    """A point as its CSV row, None where not measured; the markdown tables and the plot read these rows."""
+    s, r = point["spec"], dict.fromkeys(CSV_FIELDS)
+    dims, k = (s["n"], s["encoder_embed_dim"], s["encoder_ffn_embed_dim"], s["encoder_layers"]), s["k"]
+    flops = encoder_flops(*dims, k, s["compress_sharing"], s["compress_type"])
+    r |= {f: s[f] for f in CSV_FIELDS if f in s} | {"model": s["label"], "status": point["status"]}
+    r |= {"note": point.get("note"), "flops_per_seq": flops, "flop_ideal": encoder_flops(*dims) / flops}
+    if point["status"] == "ok":
+        ms = [1000 * t / s["batch_size"] for t in point["seconds"]]
+        r |= {"ms_per_seq": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms)}
+        r |= {"seqs_per_s": 1000 / r["ms_per_seq"], "words_per_s": 1000 * s["n"] / r["ms_per_seq"]}
+        r |= {"peak_mib": point["peak_bytes"] / MIB, "max_batch": point.get("max_batch")}
+    if r["max_batch"]:
+        r["ms_per_seq_at_max_batch"] = 1000 * statistics.median(point["max_batch_seconds"]) / r["max_batch"]
+    return r
+
+
+def ratio_tables(rows, mode):
+    """Time and memory of each measured Linformer against the baselines at its n (and, for fairseq's original
+    example, its k), as in the paper's Table 3 (inference only)."""
+
+    def ratio(a, b):
+        return f"{a / b:.2f}x" if a and b else None
+
+    ok = {(r["model"], r["n"]): r for r in rows if r["status"] == "ok"}
+    times, memories = [], []
+    ours = (r for r in ok.values() if r["model"].startswith("linformer"))
+    for r in sorted(ours, key=lambda r: (r["n"], r["k"], r["model"])):
+        time_row, memory_row = ({"n": r["n"], "k": r["k"], "model": r["model"]} for _ in range(2))
+        base = {b: ok.get((f"roberta-{b}", r["n"]), {}) for b in BASELINES}
+        base["original"] = ok.get((f"original-k{r['k']}", r["n"]), {})
+        for b, ref in base.items():
+            time_row[f"vs {b}"] = ratio(ref.get("ms_per_seq"), r["ms_per_seq"])
+            memory_row[f"peak vs {b}"] = ratio(ref.get("peak_mib"), r["peak_mib"])
+        for b, ref in list(base.items())[: len(BASELINES)]:  # the paper's measures, at the largest batch that fits
+            time_row[f"max batch vs {b}"] = ratio(ref.get("ms_per_seq_at_max_batch"), r["ms_per_seq_at_max_batch"])
+            memory_row[f"max batch vs {b}"] = ratio(r["max_batch"], ref.get("max_batch"))
+        paper = [dict(zip(PAPER_KS, map(float, p.split()))).get(r["k"]) for p in PAPER.get(r["n"], "|").split("|")]
+        paper = paper if mode == "inference" else [None, None]
+        times.append(time_row | {"FLOP-ideal": ratio(r["flop_ideal"], 1), "paper": ratio(paper[0], 1)})
+        memories.append(memory_row | {"paper (max batch)": ratio(paper[1], 1)})
+    return times, memories
+
+
+def describe(s):
+    return (
+        f"{s['mode'].capitalize()}, {s['encoder_layers']} layers, d={s['encoder_embed_dim']}, "
+        f"ffn={s['encoder_ffn_embed_dim']}, {s['encoder_attention_heads']} heads, batch {s['batch_size']}, "
+        f"{s['dtype']}, {s['device']}" + (", activation checkpointing" if s["checkpoint_activations"] else "")
+    )
+
+
+def markdown(report, rows):
+    env, s = report["environment"], report["points"][0]["spec"]
+    times, memories = ratio_tables(rows, s["mode"])
+    return "\n".join(
+        [
+            f"Command: `{env['command']}`\n",
+            f"{env['hardware']}; torch {env['torch']}, fairseq {env['fairseq']}, {env['threads']} threads, "
+            f"{env['date']}. "
+            f"{describe(s)}; Linformer: {s['compress_sharing']} sharing, {s['compress_type']} projection.\n",
+            f"Measured points (milliseconds per sequence: median, min and max of the samples; words and sequences per "
+            f"second; peak memory of one {'forward' if s['mode'] == 'inference' else 'training step'}):\n",
+            markdown_table(
+                rows, leave_out=("ffn_chunk", "batch_size", "dtype", "device", "flops_per_seq", "flop_ideal")
+            ),
+            "Time saved: baseline time per sequence / Linformer's (paper: Table 3, V100, layerwise sharing):\n",
+            markdown_table(times),
+            "Memory saved: baseline peak / Linformer's (max batch: Linformer's / baseline's, the paper's measure):\n",
+            markdown_table(memories),
+        ]
+    )
+
+
+def plot(rows, s, path):
+    plt = models.pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for name in dict.fromkeys(r["model"] for r in rows if r["status"] == "ok"):
+        points = sorted((r["n"], r["ms_per_seq"]) for r in rows if r["model"] == name and r["status"] == "ok")
+        ax.plot(*zip(*points), "-" if name.startswith("roberta") else "--", marker="o", markersize=3, label=name)
+    ax.set(yscale="log", xlabel="sequence length n", ylabel="time per sequence (ms)")
+    ax.set_xscale("log", base=2)
+    ax.set_title(describe(s), fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    models.save_figure(fig, path)
+    plt.close(fig)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = get_parser().parse_args(argv)
+    if args.worker:
+        return run_worker(json.loads(args.worker))
+    check_args(args)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    report = run_grid(args, argv)
+    rows = [row(p) for p in report["points"]]
+    table = markdown(report, rows)
+    write_text(args.out_dir / "benchmark.md", table)
+    write_csv(args.out_dir / "benchmark.csv", rows, CSV_FIELDS)
+    plot(rows, report["points"][0]["spec"], args.out_dir / "time_vs_length.png")
+    print(f"\n{table}\nWrote {args.out_dir}/benchmark.{{md,csv,json}} and time_vs_length.png")
+
+
+if __name__ == "__main__":
+    main()

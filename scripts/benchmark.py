@@ -132,14 +132,17 @@ def training_step(model, spec, batch):
     (fairseq's masked_lm task and criterion), cross-entropy, backward, Adam step."""
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01)
-    tokens = torch.randint(models.FIRST_WORD_ID, VOCAB_SIZE, (batch, spec["n"]), device=spec["device"])
-    masked = torch.rand(tokens.shape, device=spec["device"]) < 0.15
+    targets = torch.randint(models.FIRST_WORD_ID, VOCAB_SIZE - 1, (batch, spec["n"]), device=spec["device"])
+    masked = torch.rand(targets.shape, device=spec["device"]) < 0.15
+    tokens = targets.masked_fill(masked, VOCAB_SIZE - 1)  # the dictionary's last symbol is <mask>
 
     def step():
         optimizer.zero_grad(set_to_none=True)
         logits = model(tokens, masked_tokens=masked)[0]
-        torch.nn.functional.cross_entropy(logits.float(), tokens[masked]).backward()
+        loss = torch.nn.functional.cross_entropy(logits.float(), targets[masked])
+        loss.backward()
         optimizer.step()
+        return loss.detach()
 
     return step
 

@@ -17,6 +17,40 @@ from linformer_tools import models
 bench = load_script("benchmark")
 
 
+TINY_SPEC = dict(
+    mode="training",
+    encoder_layers=1,
+    encoder_embed_dim=32,
+    encoder_ffn_embed_dim=64,
+    encoder_attention_heads=4,
+    n=32,
+    k=8,
+    ffn_chunk=0,
+    compress_sharing="headwise",
+    compress_type="linear",
+    checkpoint_activations=False,
+    device="cpu",
+    model="linformer",
+)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("model", ["linformer", "roberta-fused"])
+def test_training_step_updates_the_model_and_learns_a_batch(model, dtype):
+    """The timed training step is a real update (the same code runs on CUDA with --dtype bf16/fp16)."""
+    torch.manual_seed(0)
+    spec = dict(TINY_SPEC, model=model, dtype=dtype, k=8 if model == "linformer" else None)
+    built = bench.build_point_model(spec)
+    step = bench.training_step(built, spec, batch=4)
+    before = {name: p.detach().clone() for name, p in built.named_parameters()}
+    losses = [step().item() for _ in range(12)]
+    assert all(p.dtype == bench.DTYPES[dtype] for p in built.parameters())
+    assert not torch.equal(
+        before["encoder.sentence_encoder.layers.0.fc1.weight"], built.encoder.sentence_encoder.layers[0].fc1.weight
+    )
+    assert losses[-1] < losses[0] - 0.03, losses  # the same batch again and again: its loss falls
+
+
 def test_flops_of_base_widths_match_hand_count():
     n, d, f, layers, k = 1024, 768, 3072, 12, 256
     # RoBERTa layer: 8nd^2 = 4,831,838,208 + 4n^2d = 3,221,225,472 + 4ndf = 9,663,676,416
@@ -147,7 +181,9 @@ def test_points_over_the_memory_limit_are_skipped_and_reported(tmp_path):
     assert [p["status"] for p in report["points"]] == ["skipped"] * 3
     measured = markdown_tables((tmp_path / "benchmark.md").read_text())
     rows = next(iter(measured.values()))
-    assert [r["status"] for r in rows] == ["skipped"] * 3 and rows[0]["note"].startswith("needs more than --memory-limit-gb")
+    assert [r["status"] for r in rows] == ["skipped"] * 3 and rows[0]["note"].startswith(
+        "needs more than --memory-limit-gb"
+    )
     assert "ms_per_seq" not in rows[0]  # nothing measured: the column is left out
 
 

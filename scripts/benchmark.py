@@ -229,7 +229,7 @@ def run_worker(spec):
 # the settings every point of a grid shares, named as the flags
 SPEC_KEYS = (
     "mode encoder_layers encoder_embed_dim encoder_ffn_embed_dim encoder_attention_heads batch_size dtype device "
-    "threads min_run_time memory_limit_gb max_batch_budget_gb compress_sharing compress_type "
+    "threads min_run_time max_batch_budget_gb compress_sharing compress_type "
     "checkpoint_activations baseline_user_dir profile"
 ).split()
 
@@ -282,9 +282,15 @@ def check_args(args):
         fail(f"--max-batch-budget-gb {args.max_batch_budget_gb} exceeds --memory-limit-gb {args.memory_limit_gb:.1f}")
 
 
-def run_point(spec, timeout):
-    """One point in a fresh interpreter, so that none inherits another's allocator state or caches."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+def run_point(spec, timeout, memory_limit_gb):
+    """One point in a fresh interpreter, so that none inherits another's allocator state or caches. The memory
+    limit is not part of the point's settings: its default follows the free memory, and --resume compares them."""
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        json.dumps(dict(spec, memory_limit_gb=memory_limit_gb)),
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -313,7 +319,7 @@ def run_grid(args, argv):
         elif name in given_up:
             record = {"spec": spec, "status": "skipped", "note": given_up[name]}
         else:
-            record = {"spec": spec, **run_point(spec, args.timeout)}
+            record = {"spec": spec, **run_point(spec, args.timeout, args.memory_limit_gb)}
             if "profile" in record:
                 write_text(args.out_dir / f"profile-{name}-n{spec['n']}.txt", record.pop("profile"))
             if record["status"] != "ok":

@@ -140,6 +140,10 @@ class LinformerRobertaModel(RobertaModel):
         gen_parser_from_dataclass(parser, LinformerRobertaConfig(), delete_default=True)
 
     @classmethod
+    def hub_models(cls):
+        return {}  # RoBERTa's downloadable names are RoBERTa models: from_pretrained takes a path
+
+    @classmethod
     def build_model(cls, args, task):
         if OmegaConf.is_config(args):
             with open_dict(args):

@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""Extend a trained Linformer (or RoBERTa) checkpoint from n to n' > n positions.
+
+Positions: fairseq's learned positional embedding has n + padding_idx + 1 rows (real positions
+start at row padding_idx + 1 = 2); the n trained rows are copied periodically, so position p of
+the new model starts as position p mod n (as Longformer did for RoBERTa). The rows before the
+offset are copied as they are.
+
+Projections (Linformer only), by ``--projections``:
+
+  periodic  (default) the sequence is read as n'/n copies of the trained length, like the
+            positions. Linear E (k x n): tiled along the length axis to k x n' and scaled by
+            (n/n')^p, p being the checkpoint's length_norm_power: the projection of a T-token
+            input, (n'/T)^p E'[:, :T] X, is then the original (n/T)^p E[:, :T] X for every
+            T <= n, and for p = 1 (--compress-length-norm linear) a full n'-token block projects
+            to the average of its n-token periods' projections, at the trained magnitude (for
+            p = 0 the rows sum n'/n periods, so they grow by n'/n on full blocks). Pooling and
+            conv keep their window of n/k positions, so k grows to k n'/n. Either way the
+            model computes exactly what it computed before on every input of at most n tokens.
+  stretch   k stays (or --compressed-dim for pooling/conv): new position t' takes the role of
+            old position floor(t' n/n') and an even share of its weight, so every row of a
+            linear E keeps its sum (an averaging row still averages, over a window n'/n times
+            wider); pooling windows widen to n'/k; a conv kernel is resampled to the new width
+            the same way. Outputs on short inputs change.
+
+With ``--data`` the script reports the masked-LM loss of the original at n and of the extended
+model at n' (blocks of n' tokens), and with ``--continue-updates N`` after N updates of
+continued pretraining at n' (fairseq-train --restore-file OUT, which it runs). See
+docs/warm_start.md for measurements.
+"""
+
+import argparse
+import copy
+import importlib.util
+import math
+from pathlib import Path
+
+import torch
+
+
+def _sibling(name):
+    """scripts/NAME.py, whose checkpoint and evaluation helpers this script shares."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+convert = _sibling("convert_roberta_to_linformer")
+fail = convert.fail
+SequenceProjection = convert.SequenceProjection
+
+
+def periodic_positions(weight: torch.Tensor, offset: int, new_positions: int) -> torch.Tensor:
+    """Rows [0, offset) as they are, then row offset + p = old row offset + (p mod n)."""
+    n = weight.size(0) - offset
+    rows = torch.arange(new_positions) % n + offset
+    return torch.cat([weight[:offset], weight[rows]])
+
+
+def stretch(W: torch.Tensor, new_n: int) -> torch.Tensor:
+    """Resample the last axis of W (length n) to new_n: new position t' takes the role of old
+    position floor(t' n / n') and an even share of its weight, so every old position's total
+    weight, and every row's sum, is kept."""
+    n = W.size(-1)
+    old = torch.arange(new_n) * n // new_n
+    shares = torch.bincount(old, minlength=n).to(W.dtype)
+    return W[..., old] / shares[old]
+
+
+def extend_projection(old: SequenceProjection, new: SequenceProjection, method: str) -> torch.Tensor:
+    """The new projection weight (linear E, or a conv kernel) built from the old one."""
+    W = old.weight.detach()
+    n, new_n = old.max_positions, new.max_positions
+    if old.kind == "linear":
+        if method == "periodic":  # (n'/T)^p (n/n')^p = (n/T)^p: unchanged on T <= n tokens
+            return W[..., torch.arange(new_n) % n] * (n / new_n) ** old.length_power
+        return stretch(W, new_n)
+    # conv: a kernel as wide as its window n/k; periodic keeps the window, stretch widens it
+    return W.clone() if new.stride == old.stride else stretch(W, new.stride)
+
+
+def new_compressed_dims(old_model, n: int, new_n: int, method: str, compressed_dim: int):
+    """k of every layer of the extended model."""
+    dims = []
+    for layer in old_model.encoder.sentence_encoder.layers:
+        proj = layer.self_attn.compress_k
+        k = proj.k
+        if compressed_dim:
+            if proj.kind == "linear" and compressed_dim != k:
+                fail(f"a linear E keeps its k={k} rows (it is resampled along the length only); "
+                     "--compressed-dim applies to pooling and conv projections")  # fmt: skip
+            if method == "periodic" and proj.kind != "linear":
+                fail("--compressed-dim goes with --projections stretch (periodic keeps the window n/k: k grows)")
+            k = compressed_dim
+        elif method == "periodic" and proj.kind != "linear":
+            window = n // k
+            if new_n % window:
+                fail(f"--projections periodic keeps the pooling window of n/k = {window}: n'={new_n} is no multiple")
+            k = new_n // window
+        if k > new_n:
+            fail(f"projected length k={k} is larger than n'={new_n}")
+        if proj.kind != "linear" and new_n % k:
+            fail(f"--compress-type {proj.kind} needs n'={new_n} divisible by k={k}")
+        dims.append(k)
+    return dims
+
+
+def extended_namespace(ns, kind: str, new_n: int, dims):
+    ns = copy.deepcopy(ns)
+    ns.max_positions = ns.max_source_positions = new_n
+    if kind == "linformer":
+        # k written out, so that the legacy ratio --compressed cannot rescale it with n
+        uniform = len(set(dims)) == 1
+        ns.compressed_dim = dims[0] if uniform else 0
+        ns.layer_compressed_dims = "" if uniform else ",".join(map(str, dims))
+    return ns
+
+
+def extend(state, kind: str, args):
+    """(extended model, its namespace, original model, n)."""
+    ns = convert.model_namespace(state)
+    n = ns.max_positions
+    if args.max_positions <= n:
+        fail(f"--max-positions {args.max_positions} must be larger than the checkpoint's n={n}")
+    if kind == "roberta" and args.compressed_dim:
+        fail("--compressed-dim applies to Linformer checkpoints; a RoBERTa has no projections")
+    vocab = convert.vocab_size(state)
+    old = convert.build_model(ns, vocab)
+    missing = convert.load_weights(old, state["model"])
+    if missing:
+        fail(f"the checkpoint lacks weights of its own model: {', '.join(missing[:5])}")
+    dims = None
+    if kind == "linformer":
+        dims = new_compressed_dims(old, n, args.max_positions, args.projections, args.compressed_dim)
+    new_ns = extended_namespace(ns, kind, args.max_positions, dims)
+    new = convert.build_model(new_ns, vocab)
+
+    weights = old.state_dict()
+    positions = old.encoder.sentence_encoder.embed_positions
+    weights[convert.POSITIONS_KEY] = periodic_positions(
+        positions.weight.detach(), positions.padding_idx + 1, args.max_positions
+    )
+    new_modules = dict(new.named_modules(remove_duplicate=False))
+    for name, module in old.named_modules(remove_duplicate=False):  # a layerwise E under each of its names
+        if isinstance(module, SequenceProjection) and module.weight is not None:
+            weights[f"{name}.weight"] = extend_projection(module, new_modules[name], args.projections)
+    missing = convert.load_weights(new, weights)  # registers the classification heads too
+    if missing:  # a layout this script does not know
+        fail(f"cannot map the weights onto the extended model: missing {', '.join(missing[:5])}")
+    return new, new_ns, old, n
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="fairseq Linformer or RoBERTa checkpoint at n positions (.pt)")
+    parser.add_argument("output", help="checkpoint to write, at n' positions (.pt)")
+    parser.add_argument("--max-positions", type=int, required=True, help="n', larger than the checkpoint's n")
+    parser.add_argument(
+        "--projections",
+        choices=("periodic", "stretch"),
+        default="periodic",
+        help="how Linformer projections are extended (default: periodic, exact on inputs of at most n tokens)",
+    )
+    parser.add_argument(
+        "--compressed-dim",
+        type=int,
+        default=0,
+        help="with --projections stretch: the new k of pooling/conv projections (default: keep k)",
+    )
+    parser.add_argument("--seed", type=int, default=1, help="random seed of the continuation (default: 1)")
+    parser.add_argument("--report-json", help="also write the losses and the continuation command to this JSON file")
+    convert.add_continuation_args(parser)
+    args = parser.parse_args(argv)
+    if args.max_positions < 1 or args.compressed_dim < 0:
+        parser.error("--max-positions must be >= 1 and --compressed-dim >= 0")
+    convert.check_continuation_args(parser, args)
+    if Path(args.output).resolve() == Path(args.checkpoint).resolve():
+        parser.error("the output would overwrite the input checkpoint")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    state = convert.read_checkpoint(args.checkpoint)
+    kind = convert.model_kind(state, args.checkpoint)
+    if args.data:
+        convert.check_data(args.data, args.split, convert.vocab_size(state))
+    model, ns, old, n = extend(state, kind, args)
+    linformer = kind == "linformer"
+    args.sample_break_mode = args.sample_break_mode or convert.break_mode(state)
+    note = {"from": str(args.checkpoint), "extended_from": n, "projections": args.projections if linformer else None}
+    convert.write_checkpoint(state, ns, model, args.output, note, max_positions=(n, args.max_positions))
+    how = f", k={ns.layer_compressed_dims or ns.compressed_dim}; projections {args.projections}" if linformer else ""
+    print(f"wrote {args.output}: {kind} at n'={args.max_positions} (from n={n}{how}); positions copied periodically")
+
+    rows = {}
+    if args.data:
+        rest = (args.max_eval_batches, args.eval_seeds, args.sample_break_mode)
+        rows[f"original at n={n}"] = convert.masked_lm_loss(old, args.data, args.split, n, args.eval_batch_size, *rest)
+        # the same text in blocks n'/n times longer: fewer blocks a batch, the same tokens
+        batch = max(1, math.ceil(args.eval_batch_size * n / args.max_positions))
+        rows[f"extended at n'={args.max_positions}"] = convert.masked_lm_loss(
+            model, args.data, args.split, args.max_positions, batch, *rest
+        )
+    convert.report_and_continue(args, ns, Path(args.output), rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -12,6 +12,7 @@ import yaml
 from conftest import REPO, run
 
 import linformer_fairseq  # noqa: F401
+from linformer_tools.logs import records_in
 
 pytestmark = pytest.mark.slow  # end-to-end training runs
 
@@ -83,10 +84,7 @@ def train_cmd(data, save_dir, max_update):
 
 
 def valid_losses(log):
-    return [
-        (int(u), float(l))
-        for l, u in re.findall(r"valid on 'valid' subset \| loss ([\d.]+) .*? num_updates (\d+)", log)
-    ]
+    return [(int(r["num_updates"]), r["loss"]) for r in records_in(log, "valid")]
 
 
 def test_fairseq_train_learns_resumes_and_loads_through_the_hub(wikitext_bin, tmp_path):
@@ -102,7 +100,7 @@ def test_fairseq_train_learns_resumes_and_loads_through_the_hub(wikitext_bin, tm
     resumed = valid_losses(second)
     assert [u for u, _ in resumed] == [45, 60], resumed
     assert resumed[-1][1] < losses[-1][1], f"loss after resuming did not keep falling: {losses} then {resumed}"
-    steps = [int(u) for u in re.findall(r"train_inner \| .*?num_updates=(\d+)", second)]
+    steps = [int(r["num_updates"]) for r in records_in(second, "train_inner")]
     assert steps == list(range(35, 61, 5)), f"resumed run repeated or skipped updates: {steps}"
 
     check_hub_against_checkpoint(save / "checkpoint_last.pt", wikitext_bin)

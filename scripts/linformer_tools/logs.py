@@ -50,8 +50,12 @@ def records(log, tag: str = "valid", start: int = 0, end: int = -1) -> list:
         return []
     with open(log, "rb") as f:
         f.seek(start)
-        lines = f.read(end - start if end >= 0 else -1).decode(errors="replace").splitlines()
-    return [r for r in (_parse(line, tag) for line in lines) if r is not None]
+        return records_in(f.read(end - start if end >= 0 else -1).decode(errors="replace"), tag)
+
+
+def records_in(text: str, tag: str = "valid") -> list:
+    """The records of kind ``tag`` in a log's text (e.g. a training command's captured output)."""
+    return [r for r in (_parse(line, tag) for line in text.splitlines()) if r is not None]
 
 
 def by_update(stats, key: str = "loss") -> dict:

@@ -366,6 +366,8 @@ class Features(torch.nn.Module):
         return self.model(src_tokens, features_only=True)[0]
 
 
+# TorchScript tracing is documented in the README; torch 2.13 deprecates it (in favour of torch.export)
+@pytest.mark.filterwarnings("ignore:.*torch.jit.trace.* is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("kind", COMPRESS_TYPES)
 def test_traced_encoder_matches_eager_at_other_lengths_batches_and_paddings(kind):
     """torch.jit.trace of the encoder generalises: sizes are traced, not baked in, so one

@@ -19,7 +19,7 @@ usage: $(basename "$0") [--out DIR] [--pretrain-updates N] [--finetune-epochs N]
 
 Builds a corpus from data/sample (WikiText-2 excerpt + 4 Gutenberg books), trains a
 sentencepiece model, binarizes 2 shards, pretrains a small Linformer (2 layers, 128 dims,
-n=128, k=32, mean pooling) with masked LM and finetunes it on the bundled SST-2 sample, both
+n=128, k=32, conv projection) with masked LM and finetunes it on the bundled SST-2 sample, both
 through the launchers (scripts/pretrain.sh, scripts/finetune.sh) with configs/*/quickstart.yaml,
 and prints the validation perplexity, the SST-2 dev accuracy and the output paths.
 

@@ -15,7 +15,6 @@ import re
 from pathlib import Path
 
 # the logger name fairseq logs each kind of record under
-_TAGS = {"valid": "valid", "train_inner": "train_inner", "train": "train"}
 _SIMPLE_FIELD = re.compile(r"^(\S+) (\S+)$")
 
 

@@ -14,7 +14,6 @@ import json
 import re
 from pathlib import Path
 
-# the logger name fairseq logs each kind of record under
 _SIMPLE_FIELD = re.compile(r"^(\S+) (\S+)$")
 
 

@@ -10,7 +10,6 @@ import functools
 import itertools
 import json
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -20,25 +19,12 @@ import torch
 from torch.utils import benchmark
 
 from linformer_tools import models
-from linformer_tools.common import cell, fail, machine, markdown_table, write_csv, write_text
+from linformer_tools.benchmark_report import BASELINES, PAPER_KS, row, write_reports
+from linformer_tools.common import cell, fail, machine, write_text
 
 VOCAB_SIZE = 50265  # RoBERTa's GPT-2 BPE vocabulary
-GIB, MIB = 1024**3, 1024**2
+GIB = 1024**3
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-BASELINES = ("fused", "explicit")
-# Paper Table 3, Linformer (layerwise sharing) over the Transformer on a 16 GB V100, for k = 128, 256, ..., 2048 < n:
-# time saved | memory saved (the largest batch that fits)
-PAPER_KS = (128, 256, 512, 1024, 2048)
-PAPER = {
-    512: "1.5 1.3 | 1.7 1.5",
-    1024: "1.7 1.6 1.3 | 3.0 2.9 1.8",
-    2048: "2.6 2.4 2.1 1.3 | 6.1 5.6 3.6 2.0",
-    4096: "3.4 3.2 2.8 2.2 1.3 | 14 13 8.3 4.3 2.3",
-    8192: "5.5 5.0 4.4 3.5 2.1 | 28 26 17 8.5 4.5",
-    16384: "8.6 7.8 7.0 5.6 3.3 | 56 48 32 16 8",
-    32768: "13 12 11 8.8 5.0 | 56 48 36 18 16",
-    65536: "20 18 16 14 7.9 | 60 52 40 20 18",
-}
 
 
 def int_list(text, least=0):  # argparse reports a ValueError as "invalid int_list value: 'TEXT'"
@@ -49,6 +35,11 @@ def int_list(text, least=0):  # argparse reports a ValueError as "invalid int_li
 
 def positive(text):
     return int_list(text, least=1)
+
+
+def count(text):  # one integer >= 1
+    (value,) = positive(text)
+    return value
 
 
 def get_parser():
@@ -65,8 +56,8 @@ def get_parser():
     arg("--checkpoint-activations", action="store_true", help="every model recomputes activations in backward")
     arg("--profile", action="store_true", help="also write each point's torch.profiler table of one step")
     for name, default in [("layers", 12), ("embed-dim", 768), ("ffn-embed-dim", 3072), ("attention-heads", 12)]:
-        arg(f"--encoder-{name}", type=int, default=default, help="every model's")
-    arg("--batch-size", type=int, default=1, help="sequences per step")
+        arg(f"--encoder-{name}", type=count, default=default, help="every model's")
+    arg("--batch-size", type=count, default=1, help="sequences per step")
     arg("--dtype", default="fp32", choices=sorted(DTYPES), help="weights and activations")
     arg("--device", default="cpu", choices=["cpu", "cuda"], help="where the models run")
     arg("--threads", type=int, default=0, help="CPU threads per point; 0: torch's choice")
@@ -78,18 +69,6 @@ def get_parser():
     arg("--resume", action="store_true", help="keep the finished points of --out-dir/benchmark.json")
     arg("--worker", help=argparse.SUPPRESS)  # one point, as JSON: how the parent runs it in a fresh process
     return p
-
-
-def encoder_flops(n, d, f, layers, k=None, sharing="layerwise", kind="linear"):
-    """Matmul FLOPs of the encoder layers on one sequence (docs/benchmarks.md: FLOP-ideal ratio); k=None: RoBERTa."""
-    ffn = 4 * n * d * f
-    if k is None:
-        return layers * (8 * n * d * d + 4 * n * n * d + ffn)
-    rows = k if kind == "linear" else -(-n // (n // k))
-    kv_maps = 4 * (n if sharing == "none" else rows) * d * d
-    projections = 2 if sharing in ("none", "headwise") else 1
-    per_projection = {"linear": 2 * k * n * d, "conv": 2 * n * d}.get(kind, 0)
-    return layers * (4 * n * d * d + kv_maps + projections * per_projection + 4 * n * rows * d + ffn)
 
 
 # ---------------------------------------------------------------- one point, in its own process
@@ -226,16 +205,22 @@ def run_worker(spec):
 
 
 # ---------------------------------------------------------------- the grid
-# the settings every point of a grid shares, named as the flags
-SPEC_KEYS = (
-    "mode encoder_layers encoder_embed_dim encoder_ffn_embed_dim encoder_attention_heads batch_size dtype device "
-    "threads min_run_time max_batch_budget_gb compress_sharing compress_type "
-    "checkpoint_activations baseline_user_dir profile"
-).split()
+# flags that shape the grid or its running, not the points: every other flag is a setting all points share
+GRID_FLAGS = {
+    "lengths",
+    "ks",
+    "ffn_chunk_size",
+    "baselines",
+    "memory_limit_gb",
+    "timeout",
+    "out_dir",
+    "resume",
+    "worker",
+}
 
 
 def make_grid(args):
-    common = {key: getattr(args, key) for key in SPEC_KEYS}
+    common = {key: value for key, value in vars(args).items() if key not in GRID_FLAGS}
     specs = []
     for n in sorted(set(args.lengths)):
         for b in args.baselines.split(","):
@@ -262,10 +247,6 @@ def check_args(args):
         args.baseline_user_dir = str(args.baseline_user_dir.resolve())
     if bad := set(args.baselines.split(",")) - set(BASELINES):
         fail(f"--baselines: unknown {sorted(bad)}; choose from {sorted(BASELINES)}")
-    sizes = ("encoder_layers", "encoder_embed_dim", "encoder_ffn_embed_dim", "encoder_attention_heads", "batch_size")
-    for name in sizes:
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if (d := args.encoder_embed_dim) % (heads := args.encoder_attention_heads):
         fail(f"--encoder-embed-dim {d} is not divisible by --encoder-attention-heads {heads}")
     for n in args.lengths if args.compress_type != "linear" else []:
@@ -285,12 +266,8 @@ def check_args(args):
 def run_point(spec, timeout, memory_limit_gb):
     """One point in a fresh interpreter, so that none inherits another's allocator state or caches. The memory
     limit is not part of the point's settings: its default follows the free memory, and --resume compares them."""
-    cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--worker",
-        json.dumps(dict(spec, memory_limit_gb=memory_limit_gb)),
-    ]
+    worker = json.dumps(dict(spec, memory_limit_gb=memory_limit_gb))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", worker]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -331,104 +308,6 @@ def run_grid(args, argv):
     return report
 
 
-# ---------------------------------------------------------------- reports
-CSV_FIELDS = (
-    "model n k ffn_chunk batch_size dtype device ms_per_seq ms_min ms_max words_per_s seqs_per_s peak_mib max_batch "
-    "ms_per_seq_at_max_batch flops_per_seq flop_ideal status note"
-).split()
-
-
-def row(point):
-    """A point as its CSV row, None where not measured; the markdown tables and the plot read these rows."""
-    s, r = point["spec"], dict.fromkeys(CSV_FIELDS)
-    dims, k = (s["n"], s["encoder_embed_dim"], s["encoder_ffn_embed_dim"], s["encoder_layers"]), s["k"]
-    flops = encoder_flops(*dims, k, s["compress_sharing"], s["compress_type"])
-    r |= {f: s[f] for f in CSV_FIELDS if f in s} | {"model": s["label"], "status": point["status"]}
-    r |= {"note": point.get("note"), "flops_per_seq": flops, "flop_ideal": encoder_flops(*dims) / flops}
-    if point["status"] == "ok":
-        ms = [1000 * t / s["batch_size"] for t in point["seconds"]]
-        r |= {"ms_per_seq": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms)}
-        r |= {"seqs_per_s": 1000 / r["ms_per_seq"], "words_per_s": 1000 * s["n"] / r["ms_per_seq"]}
-        r |= {"peak_mib": point["peak_bytes"] / MIB, "max_batch": point.get("max_batch")}
-    if r["max_batch"]:
-        r["ms_per_seq_at_max_batch"] = 1000 * statistics.median(point["max_batch_seconds"]) / r["max_batch"]
-    return r
-
-
-def ratio_tables(rows, mode):
-    """Time and memory of each measured Linformer against the baselines at its n (and, for fairseq's original
-    example, its k), as in the paper's Table 3 (inference only)."""
-
-    def ratio(a, b):
-        return f"{a / b:.2f}x" if a and b else None
-
-    ok = {(r["model"], r["n"]): r for r in rows if r["status"] == "ok"}
-    times, memories = [], []
-    ours = (r for r in ok.values() if r["model"].startswith("linformer"))
-    for r in sorted(ours, key=lambda r: (r["n"], r["k"], r["model"])):
-        time_row, memory_row = ({"n": r["n"], "k": r["k"], "model": r["model"]} for _ in range(2))
-        base = {b: ok.get((f"roberta-{b}", r["n"]), {}) for b in BASELINES}
-        base["original"] = ok.get((f"original-k{r['k']}", r["n"]), {})
-        for b, ref in base.items():
-            time_row[f"vs {b}"] = ratio(ref.get("ms_per_seq"), r["ms_per_seq"])
-            memory_row[f"peak vs {b}"] = ratio(ref.get("peak_mib"), r["peak_mib"])
-        for b, ref in list(base.items())[: len(BASELINES)]:  # the paper's measures, at the largest batch that fits
-            time_row[f"max batch vs {b}"] = ratio(ref.get("ms_per_seq_at_max_batch"), r["ms_per_seq_at_max_batch"])
-            memory_row[f"max batch vs {b}"] = ratio(r["max_batch"], ref.get("max_batch"))
-        paper = [dict(zip(PAPER_KS, map(float, p.split()))).get(r["k"]) for p in PAPER.get(r["n"], "|").split("|")]
-        paper = paper if mode == "inference" else [None, None]
-        times.append(time_row | {"FLOP-ideal": ratio(r["flop_ideal"], 1), "paper": ratio(paper[0], 1)})
-        memories.append(memory_row | {"paper (max batch)": ratio(paper[1], 1)})
-    return times, memories
-
-
-def describe(s):
-    return (
-        f"{s['mode'].capitalize()}, {s['encoder_layers']} layers, d={s['encoder_embed_dim']}, "
-        f"ffn={s['encoder_ffn_embed_dim']}, {s['encoder_attention_heads']} heads, batch {s['batch_size']}, "
-        f"{s['dtype']}, {s['device']}" + (", activation checkpointing" if s["checkpoint_activations"] else "")
-    )
-
-
-def markdown(report, rows):
-    env, s = report["environment"], report["points"][0]["spec"]
-    times, memories = ratio_tables(rows, s["mode"])
-    return "\n".join(
-        [
-            f"Command: `{env['command']}`\n",
-            f"{env['hardware']}; torch {env['torch']}, fairseq {env['fairseq']}, {env['threads']} threads, "
-            f"{env['date']}. "
-            f"{describe(s)}; Linformer: {s['compress_sharing']} sharing, {s['compress_type']} projection.\n",
-            f"Measured points (milliseconds per sequence: median, min and max of the samples; words and sequences per "
-            f"second; peak memory of one {'forward' if s['mode'] == 'inference' else 'training step'}):\n",
-            markdown_table(
-                rows, leave_out=("ffn_chunk", "batch_size", "dtype", "device", "flops_per_seq", "flop_ideal")
-            ),
-            "Time saved: baseline time per sequence / Linformer's (paper: Table 3, V100, layerwise sharing):\n",
-            markdown_table(times),
-            "Memory saved: baseline peak / Linformer's (max batch: Linformer's / baseline's, the paper's measure):\n",
-            markdown_table(memories),
-        ]
-    )
-
-
-def plot(rows, s, path):
-    plt = models.pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for name in dict.fromkeys(r["model"] for r in rows if r["status"] == "ok"):
-        points = sorted((r["n"], r["ms_per_seq"]) for r in rows if r["model"] == name and r["status"] == "ok")
-        ax.plot(*zip(*points), "-" if name.startswith("roberta") else "--", marker="o", markersize=3, label=name)
-    ax.set(yscale="log", xlabel="sequence length n", ylabel="time per sequence (ms)")
-    ax.set_xscale("log", base=2)
-    ax.set_title(describe(s), fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    models.save_figure(fig, path)
-    plt.close(fig)
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = get_parser().parse_args(argv)
@@ -437,11 +316,7 @@ def main(argv=None):
     check_args(args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report = run_grid(args, argv)
-    rows = [row(p) for p in report["points"]]
-    table = markdown(report, rows)
-    write_text(args.out_dir / "benchmark.md", table)
-    write_csv(args.out_dir / "benchmark.csv", rows, CSV_FIELDS)
-    plot(rows, report["points"][0]["spec"], args.out_dir / "time_vs_length.png")
+    table = write_reports(report, args.out_dir)
     print(f"\n{table}\nWrote {args.out_dir}/benchmark.{{md,csv,json}} and time_vs_length.png")
 
 

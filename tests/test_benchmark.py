@@ -13,6 +13,7 @@ from conftest import SCRIPTS, load_script
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from linformer_tools import models
+from linformer_tools.benchmark_report import encoder_flops
 
 bench = load_script("benchmark")
 
@@ -54,14 +55,14 @@ def test_training_step_updates_the_model_and_learns_a_batch(model, dtype):
 def test_flops_of_base_widths_match_hand_count():
     n, d, f, layers, k = 1024, 768, 3072, 12, 256
     # RoBERTa layer: 8nd^2 = 4,831,838,208 + 4n^2d = 3,221,225,472 + 4ndf = 9,663,676,416
-    assert bench.encoder_flops(n, d, f, layers) == 12 * 17_716_740_096 == 212_600_881_152
+    assert encoder_flops(n, d, f, layers) == 12 * 17_716_740_096 == 212_600_881_152
     # Linformer layer, layerwise: 4nd^2 = 2,415,919,104 + 4kd^2 = 603,979,776 + one E: 2knd = 402,653,184
     # + 4nkd = 805,306,368 + FFN 9,663,676,416
-    assert bench.encoder_flops(n, d, f, layers, k, "layerwise") == 12 * 13_891_534_848
+    assert encoder_flops(n, d, f, layers, k, "layerwise") == 12 * 13_891_534_848
     # headwise: E and F, one more 2knd
-    assert bench.encoder_flops(n, d, f, layers, k, "headwise") == 12 * (13_891_534_848 + 402_653_184)
+    assert encoder_flops(n, d, f, layers, k, "headwise") == 12 * (13_891_534_848 + 402_653_184)
     # mean pooling: no E matmul at all
-    assert bench.encoder_flops(n, d, f, layers, k, "headwise", "mean") == 12 * (13_891_534_848 - 402_653_184)
+    assert encoder_flops(n, d, f, layers, k, "headwise", "mean") == 12 * (13_891_534_848 - 402_653_184)
 
 
 def cpu_flash_flops(query, key, value, *args, **kwargs):
@@ -86,12 +87,12 @@ def test_flop_formula_matches_torch_flop_counter_on_built_model(model, tmp_path)
         built, _ = models.build_model("roberta_base", flags.split(), tmp_path)
         if model == "roberta-explicit":
             assert models.force_explicit_attention(built) == layers
-        expected = bench.encoder_flops(n, d, f, layers)
+        expected = encoder_flops(n, d, f, layers)
     else:
         sharing, kind = model.split("/")
         flags += f" --compressed-dim {k} --compress-sharing {sharing} --compress-type {kind}"
         built, _ = models.build_model("linformer_roberta_base", flags.split(), tmp_path)
-        expected = bench.encoder_flops(n, d, f, layers, k, sharing, kind)
+        expected = encoder_flops(n, d, f, layers, k, sharing, kind)
     with torch.inference_mode(), FlopCounterMode(display=False, custom_mapping=CPU_SDPA) as counter:
         built.eval()(torch.full((1, n), 4), features_only=True)
     assert counter.get_total_flops() == expected
@@ -154,7 +155,7 @@ def test_tiny_grid_end_to_end(tmp_path):
     assert rows["linformer-k16"]["vs fused"] == f"{ms_per_seq(fused) / ms_per_seq(lin):.2f}x"
     at_max = ms_per_seq_at_max_batch(explicit) / ms_per_seq_at_max_batch(lin)
     assert rows["linformer-k16"]["max batch vs explicit"] == f"{at_max:.2f}x"
-    flop_ideal = bench.encoder_flops(n, 32, ffn, 1) / bench.encoder_flops(n, 32, ffn, 1, 16, "layerwise")
+    flop_ideal = encoder_flops(n, 32, ffn, 1) / encoder_flops(n, 32, ffn, 1, 16, "layerwise")
     assert rows["linformer-k16"]["FLOP-ideal"] == f"{flop_ideal:.2f}x" != "1.00x"
     assert "paper" not in rows["linformer-k16"]  # the paper has no n = 64: the column is left out
     memory = {r["model"]: r for r in memory_saved}["linformer-k16-chunk8"]
@@ -165,7 +166,7 @@ def test_tiny_grid_end_to_end(tmp_path):
     with open(out / "benchmark.csv") as f:
         table = list(csv.DictReader(f))
     assert [r["model"] for r in table] == list(points)
-    assert int(table[2]["flops_per_seq"]) == bench.encoder_flops(n, 32, ffn, 1, 16, "layerwise")
+    assert int(table[2]["flops_per_seq"]) == encoder_flops(n, 32, ffn, 1, 16, "layerwise")
     assert (out / "time_vs_length.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # --resume reuses every finished point instead of measuring again
@@ -193,7 +194,8 @@ def test_points_over_the_memory_limit_are_skipped_and_reported(tmp_path):
         (["--baselines", "fused,flash"], "error: --baselines: unknown ['flash']"),
         (["--compress-type", "mean", "--lengths", "1000", "--ks", "128"], "needs n divisible by k: n=1000"),
         (["--encoder-embed-dim", "100"], "error: --encoder-embed-dim 100 is not divisible by"),
-        (["--batch-size", "0"], "error: --batch-size must be >= 1, got 0"),
+        (["--batch-size", "0"], "error: argument --batch-size: expected integers >= 1, got '0'"),
+        (["--encoder-layers", "1,2"], "error: argument --encoder-layers: invalid count value: '1,2'"),
         (["--max-batch-budget-gb", "8", "--memory-limit-gb", "4"], "exceeds --memory-limit-gb 4.0"),
         (["--lengths", "512,x"], "error: argument --lengths: invalid positive value: '512,x'"),
         (["--ks", "0"], "error: argument --ks: expected integers >= 1, got '0'"),

@@ -19,10 +19,9 @@ import torch
 from torch.utils import benchmark
 
 from linformer_tools import models
-from linformer_tools.benchmark_report import BASELINES, PAPER_KS, row, write_reports
+from linformer_tools.benchmark_report import BASELINES, PAPER_KS, VOCAB_SIZE, row, write_reports
 from linformer_tools.common import cell, fail, machine, write_text
 
-VOCAB_SIZE = 50265  # RoBERTa's GPT-2 BPE vocabulary
 GIB = 1024**3
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -52,7 +51,11 @@ def get_parser():
     arg("--compress-sharing", default="layerwise", choices=["none", "headwise", "kv", "layerwise"], help="Linformer's")
     arg("--compress-type", default="linear", choices=["linear", "mean", "max", "conv"], help="Linformer's")
     arg("--baselines", default="fused,explicit", help="RoBERTa baselines, from fused,explicit")
-    arg("--baseline-user-dir", type=Path, help="fairseq's original example (examples/linformer/linformer_src): adds it")
+    arg(
+        "--baseline-user-dir",
+        type=Path,
+        help="adds fairseq's original example: examples/linformer/linformer_src of fairseq's source or package",
+    )
     arg("--checkpoint-activations", action="store_true", help="every model recomputes activations in backward")
     arg("--profile", action="store_true", help="also write each point's torch.profiler table of one step")
     for name, default in [("layers", 12), ("embed-dim", 768), ("ffn-embed-dim", 3072), ("attention-heads", 12)]:
@@ -106,14 +109,19 @@ def inference_step(model, spec, batch):
     return torch.inference_mode()(lambda: model(tokens, features_only=True))
 
 
+def masked_batch(spec, batch):
+    """Random tokens with 15% of them masked: the input, the targets and the mask."""
+    targets = torch.randint(models.FIRST_WORD_ID, VOCAB_SIZE - 1, (batch, spec["n"]), device=spec["device"])
+    masked = torch.rand(targets.shape, device=spec["device"]) < 0.15
+    return targets.masked_fill(masked, VOCAB_SIZE - 1), targets, masked  # the dictionary's last symbol is <mask>
+
+
 def training_step(model, spec, batch):
     """One update as fairseq-train makes it, without the data loader: the masked-LM logits of 15% of the positions
     (fairseq's masked_lm task and criterion), cross-entropy, backward, Adam step."""
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01)
-    targets = torch.randint(models.FIRST_WORD_ID, VOCAB_SIZE - 1, (batch, spec["n"]), device=spec["device"])
-    masked = torch.rand(targets.shape, device=spec["device"]) < 0.15
-    tokens = targets.masked_fill(masked, VOCAB_SIZE - 1)  # the dictionary's last symbol is <mask>
+    tokens, targets, masked = masked_batch(spec, batch)
 
     def step():
         optimizer.zero_grad(set_to_none=True)

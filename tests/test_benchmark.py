@@ -6,14 +6,16 @@ import json
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
+import fairseq
 import pytest
 import torch
 from conftest import SCRIPTS, load_script
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from linformer_tools import models
-from linformer_tools.benchmark_report import encoder_flops
+from linformer_tools.benchmark_report import encoder_flops, step_flops
 
 bench = load_script("benchmark")
 
@@ -96,6 +98,40 @@ def test_flop_formula_matches_torch_flop_counter_on_built_model(model, tmp_path)
     with torch.inference_mode(), FlopCounterMode(display=False, custom_mapping=CPU_SDPA) as counter:
         built.eval()(torch.full((1, n), 4), features_only=True)
     assert counter.get_total_flops() == expected
+
+
+# fairseq's original Linformer example, which the fairseq package installs with its examples
+ORIGINAL_EXAMPLE = Path(fairseq.__file__).parent / "examples" / "linformer" / "linformer_src"
+
+
+def training_step_flops(model, sharing):
+    """FLOPs counted by torch in one training step of a tiny model, and the expected ones."""
+    spec = dict(TINY_SPEC, model=model, dtype="fp32", k=None if model.startswith("roberta") else 8, label=model)
+    spec |= {"baseline_user_dir": str(ORIGINAL_EXAMPLE), "compress_sharing": sharing, "batch_size": 2}
+    built = bench.build_point_model(spec)
+    torch.manual_seed(0)
+    *_, masked = bench.masked_batch(spec, batch=2)
+    torch.manual_seed(0)
+    step = bench.training_step(built, spec, batch=2)
+    with FlopCounterMode(display=False, custom_mapping=CPU_SDPA) as counter:
+        step()
+    return counter.get_total_flops(), 2 * step_flops(spec, masked_share=masked.float().mean().item())
+
+
+@pytest.mark.parametrize(
+    "model, sharing", [("roberta-fused", None), ("linformer", "headwise"), ("linformer", "kv"), ("original", "kv")]
+)
+def test_training_step_flops_match_torch_flop_counter(model, sharing):
+    """A training step costs 3x the forward FLOPs of the encoder and of the masked-LM head on the masked positions;
+    fairseq's original example applies a projection shared by keys and values twice."""
+    if model == "original":  # its architectures' names are the plugin's: it registers them in a process of its own
+        code = f"import test_benchmark; print(*test_benchmark.training_step_flops({model!r}, {sharing!r}))"
+        proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        counted, expected = map(float, proc.stdout.split()[-2:])
+    else:
+        counted, expected = training_step_flops(model, sharing)
+    assert counted == pytest.approx(expected, rel=1e-9)
 
 
 def markdown_tables(text):

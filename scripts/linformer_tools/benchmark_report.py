@@ -7,6 +7,7 @@ from linformer_tools import models
 from linformer_tools.common import markdown_table, write_csv, write_text
 
 MIB = 1024**2
+VOCAB_SIZE = 50265  # RoBERTa's GPT-2 BPE vocabulary
 BASELINES = ("fused", "explicit")
 # Paper Table 3, Linformer (layerwise sharing) over the Transformer on a 16 GB V100, for k = 128, 256, ..., 2048 < n:
 # time saved | memory saved (the largest batch that fits)
@@ -23,16 +24,29 @@ PAPER = {
 }
 
 
-def encoder_flops(n, d, f, layers, k=None, sharing="layerwise", kind="linear"):
-    """Matmul FLOPs of the encoder layers on one sequence (docs/benchmarks.md: FLOP-ideal ratio); k=None: RoBERTa."""
+def encoder_flops(n, d, f, layers, k=None, sharing="layerwise", kind="linear", original=False):
+    """Matmul FLOPs of the encoder layers on one sequence (docs/benchmarks.md: FLOP-ideal ratio); k=None: RoBERTa.
+    original: fairseq's original example, which applies a projection that keys and values share twice."""
     ffn = 4 * n * d * f
     if k is None:
         return layers * (8 * n * d * d + 4 * n * n * d + ffn)
     rows = k if kind == "linear" else -(-n // (n // k))
     kv_maps = 4 * (n if sharing == "none" else rows) * d * d
-    projections = 2 if sharing in ("none", "headwise") else 1
+    projections = 2 if sharing in ("none", "headwise") or original else 1
     per_projection = {"linear": 2 * k * n * d, "conv": 2 * n * d}.get(kind, 0)
     return layers * (4 * n * d * d + kv_maps + projections * per_projection + 4 * n * rows * d + ffn)
+
+
+def step_flops(s, k="k", masked_share=0.15):
+    """Matmul FLOPs per sequence of a point's timed step (its spec ``s``; k=None: RoBERTa's): the encoder's in
+    inference; in training 3x (a backward costs two forwards) the encoder's and the masked-LM head's, whose dense
+    and vocabulary maps run on the masked share of the positions only."""
+    dims, k = (s["n"], s["encoder_embed_dim"], s["encoder_ffn_embed_dim"], s["encoder_layers"]), s[k] if k else None
+    flops = encoder_flops(*dims, k, s["compress_sharing"], s["compress_type"], original=s["model"] == "original")
+    if s["mode"] == "inference":
+        return flops
+    d = s["encoder_embed_dim"]
+    return 3 * (flops + 2 * masked_share * s["n"] * (d * d + d * VOCAB_SIZE))
 
 
 CSV_FIELDS = (
@@ -44,10 +58,9 @@ CSV_FIELDS = (
 def row(point):
     """A point as its CSV row, None where not measured; the markdown tables and the plot read these rows."""
     s, r = point["spec"], dict.fromkeys(CSV_FIELDS)
-    dims, k = (s["n"], s["encoder_embed_dim"], s["encoder_ffn_embed_dim"], s["encoder_layers"]), s["k"]
-    flops = encoder_flops(*dims, k, s["compress_sharing"], s["compress_type"])
+    flops = step_flops(s)
     r |= {f: s[f] for f in CSV_FIELDS if f in s} | {"model": s["label"], "status": point["status"]}
-    r |= {"note": point.get("note"), "flops_per_seq": flops, "flop_ideal": encoder_flops(*dims) / flops}
+    r |= {"note": point.get("note"), "flops_per_seq": flops, "flop_ideal": step_flops(s, k=None) / flops}
     if point["status"] == "ok":
         ms = [1000 * t / s["batch_size"] for t in point["seconds"]]
         r |= {"ms_per_seq": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms)}
@@ -79,6 +92,7 @@ def saved_tables(rows, mode):
             | {f"vs {b}": ratio(ref.get("ms_per_seq"), r["ms_per_seq"]) for b, ref in base.items()}
             | {f"max batch vs {b}": ratio(t, r["ms_per_seq_at_max_batch"]) for b, t in at_max.items()}
             | {"FLOP-ideal": ratio(r["flop_ideal"], 1), "paper": ratio(paper[0], 1)}
+            | {"FLOP-ideal vs original": ratio(base["original"].get("flops_per_seq"), r["flops_per_seq"])}
         )
         memories.append(
             point

@@ -547,7 +547,7 @@ def report(args, specs):
         "| run | valid ppl | vs RoBERTa | "
         + " | ".join(f"loss T={t}" for t in lengths)
         + f" | T={lengths[0]} minus T={n} | SST-2 dev % (mean ± sd) | s/update | params |",
-        "| --- " * (6 + len(lengths)) + "|",
+        "| --- " * (7 + len(lengths)) + "|",
     ]
     for r in rows:
         acc = r["sst2"]

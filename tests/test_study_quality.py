@@ -65,6 +65,8 @@ def test_study_runs_end_to_end_and_resumes(tmp_path):
     assert rows["linformer"]["flags"].endswith("--compress-length-norm linear --compress-init normal")
     report = (out / "report.md").read_text()
     assert all(f"| {name} |" in report for name in rows)
+    table = [line for line in report.splitlines() if line.startswith("| ")]
+    assert len({line.count("|") for line in table}) == 1, table[:3]  # header, rule and rows: one column count
     assert (out / "perplexity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     again = run(cmd, timeout=300).stdout

@@ -19,7 +19,7 @@ import torch
 from torch.utils import benchmark
 
 from linformer_tools import models
-from linformer_tools.benchmark_report import BASELINES, PAPER_KS, VOCAB_SIZE, row, write_reports
+from linformer_tools.benchmark_report import BASELINES, MASKED_SHARE, PAPER_KS, VOCAB_SIZE, row, write_reports
 from linformer_tools.common import cell, fail, machine, write_text
 
 GIB = 1024**3
@@ -110,9 +110,9 @@ def inference_step(model, spec, batch):
 
 
 def masked_batch(spec, batch):
-    """Random tokens with 15% of them masked: the input, the targets and the mask."""
+    """Random tokens with MASKED_SHARE of them masked: the input, the targets and the mask."""
     targets = torch.randint(models.FIRST_WORD_ID, VOCAB_SIZE - 1, (batch, spec["n"]), device=spec["device"])
-    masked = torch.rand(targets.shape, device=spec["device"]) < 0.15
+    masked = torch.rand(targets.shape, device=spec["device"]) < MASKED_SHARE
     return targets.masked_fill(masked, VOCAB_SIZE - 1), targets, masked  # the dictionary's last symbol is <mask>
 
 
@@ -214,17 +214,7 @@ def run_worker(spec):
 
 # ---------------------------------------------------------------- the grid
 # flags that shape the grid or its running, not the points: every other flag is a setting all points share
-GRID_FLAGS = {
-    "lengths",
-    "ks",
-    "ffn_chunk_size",
-    "baselines",
-    "memory_limit_gb",
-    "timeout",
-    "out_dir",
-    "resume",
-    "worker",
-}
+GRID_FLAGS = set("lengths ks ffn_chunk_size baselines memory_limit_gb timeout out_dir resume worker".split())
 
 
 def make_grid(args):

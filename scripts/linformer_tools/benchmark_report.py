@@ -8,6 +8,7 @@ from linformer_tools.common import markdown_table, write_csv, write_text
 
 MIB = 1024**2
 VOCAB_SIZE = 50265  # RoBERTa's GPT-2 BPE vocabulary
+MASKED_SHARE = 0.15  # of the positions, which the masked-LM head maps (fairseq's masked_lm task)
 BASELINES = ("fused", "explicit")
 # Paper Table 3, Linformer (layerwise sharing) over the Transformer on a 16 GB V100, for k = 128, 256, ..., 2048 < n:
 # time saved | memory saved (the largest batch that fits)
@@ -37,12 +38,13 @@ def encoder_flops(n, d, f, layers, k=None, sharing="layerwise", kind="linear", o
     return layers * (4 * n * d * d + kv_maps + projections * per_projection + 4 * n * rows * d + ffn)
 
 
-def step_flops(s, k="k", masked_share=0.15):
-    """Matmul FLOPs per sequence of a point's timed step (its spec ``s``; k=None: RoBERTa's): the encoder's in
-    inference; in training 3x (a backward costs two forwards) the encoder's and the masked-LM head's, whose dense
-    and vocabulary maps run on the masked share of the positions only."""
-    dims, k = (s["n"], s["encoder_embed_dim"], s["encoder_ffn_embed_dim"], s["encoder_layers"]), s[k] if k else None
-    flops = encoder_flops(*dims, k, s["compress_sharing"], s["compress_type"], original=s["model"] == "original")
+def step_flops(s, roberta=False, masked_share=MASKED_SHARE):
+    """Matmul FLOPs per sequence of a point's timed step (its spec ``s``; roberta: RoBERTa's at its sizes): the
+    encoder's in inference; in training 3x (a backward costs two forwards) the encoder's and the masked-LM head's,
+    whose dense and vocabulary maps run on the masked share of the positions only."""
+    dims = (s["n"], s["encoder_embed_dim"], s["encoder_ffn_embed_dim"], s["encoder_layers"])
+    k = None if roberta else s["k"]
+    flops = encoder_flops(*dims, k, s["compress_sharing"], s["compress_type"], s["model"] == "original")
     if s["mode"] == "inference":
         return flops
     d = s["encoder_embed_dim"]
@@ -60,7 +62,7 @@ def row(point):
     s, r = point["spec"], dict.fromkeys(CSV_FIELDS)
     flops = step_flops(s)
     r |= {f: s[f] for f in CSV_FIELDS if f in s} | {"model": s["label"], "status": point["status"]}
-    r |= {"note": point.get("note"), "flops_per_seq": flops, "flop_ideal": step_flops(s, k=None) / flops}
+    r |= {"note": point.get("note"), "flops_per_seq": flops, "flop_ideal": step_flops(s, roberta=True) / flops}
     if point["status"] == "ok":
         ms = [1000 * t / s["batch_size"] for t in point["seconds"]]
         r |= {"ms_per_seq": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms)}

@@ -16,9 +16,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from torch.utils import benchmark
 
-from linformer_tools import models
+from linformer_tools import measure, models
 from linformer_tools.benchmark_report import BASELINES, MASKED_SHARE, PAPER_KS, VOCAB_SIZE, row, write_reports
 from linformer_tools.common import cell, fail, machine, write_text
 
@@ -117,46 +116,12 @@ def masked_batch(spec, batch):
 
 
 def training_step(model, spec, batch):
-    """One update as fairseq-train makes it, without the data loader: the masked-LM logits of 15% of the positions
-    (fairseq's masked_lm task and criterion), cross-entropy, backward, Adam step."""
-    model.train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01)
-    tokens, targets, masked = masked_batch(spec, batch)
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        logits = model(tokens, masked_tokens=masked)[0]
-        loss = torch.nn.functional.cross_entropy(logits.float(), targets[masked])
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
-    return step
+    """One update as fairseq-train makes it on a masked random batch (linformer_tools.measure)."""
+    return measure.training_step(model, *masked_batch(spec, batch))
 
 
 # mode -> maker of its timed step for a batch size
 STEPS = {"inference": inference_step, "training": training_step}
-
-
-def seconds_per_step(step, min_run_time):
-    """Seconds per step, one sample per block of steps (blocked_autorange warms up while it sizes the blocks)."""
-    # Timer runs on one thread unless told otherwise
-    timer = benchmark.Timer("step()", globals={"step": step}, num_threads=torch.get_num_threads())
-    return timer.blocked_autorange(min_run_time=min_run_time).times
-
-
-def peak_bytes(step, device):
-    """The most memory the allocator held during one step beyond what it held before it."""
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        return torch.cuda.max_memory_allocated() - before
-    # the CPU allocator keeps no peak counter, but the profiler records its every allocation and free
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    return max(itertools.accumulate((e.nbytes() for e in sorted(events, key=lambda e: e.start_ns())), initial=0))
 
 
 def profile(step):
@@ -171,12 +136,12 @@ def max_batch(model, step_for, spec):
     two batches, then step down until a measured one fits (on CUDA also without running out of memory)."""
     budget, batch, device = spec["max_batch_budget_gb"] * GIB, spec["batch_size"], spec["device"]
     weights = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
-    p1, p2 = (peak_bytes(step_for(b), device) for b in (batch, 2 * batch))
+    p1, p2 = (measure.peak_bytes(step_for(b), device) for b in (batch, 2 * batch))
     slope = max((p2 - p1) / batch, 1.0)
     best = int((budget - weights - (p1 - slope * batch)) // slope)
     while best > 0:
         try:
-            if weights + peak_bytes(step_for(best), device) <= budget:
+            if weights + measure.peak_bytes(step_for(best), device) <= budget:
                 return best
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
@@ -198,13 +163,16 @@ def run_worker(spec):
         step_for = functools.partial(STEPS[spec["mode"]], model, spec)
         step = step_for(spec["batch_size"])
         result = {
-            "seconds": seconds_per_step(step, spec["min_run_time"]),
-            "peak_bytes": peak_bytes(step, spec["device"]),
+            "seconds": measure.seconds_per_step(step, spec["min_run_time"]),
+            "peak_bytes": measure.peak_bytes(step, spec["device"]),
         }
         if spec["profile"]:
             result["profile"] = profile(step)
         if spec["max_batch_budget_gb"] and (best := max_batch(model, step_for, spec)):
-            result |= {"max_batch": best, "max_batch_seconds": seconds_per_step(step_for(best), spec["min_run_time"])}
+            result |= {
+                "max_batch": best,
+                "max_batch_seconds": measure.seconds_per_step(step_for(best), spec["min_run_time"]),
+            }
     except (MemoryError, RuntimeError) as e:  # CPU: RuntimeError "... can't allocate memory", CUDA: OutOfMemoryError
         if not isinstance(e, MemoryError) and "memory" not in str(e):
             raise

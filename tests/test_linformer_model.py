@@ -493,7 +493,8 @@ def test_architectures_from_fairseq_train_flags(arch, layers, dim, tmp_path):
 def test_length_norm_scales_each_sentence_by_its_own_length(length_norm, groups):
     """With E constant, a constant input projects at T real tokens to T/n of its rows at
     T = n; the (n/T)^p factor, T read per sentence from the padding mask, must leave exactly
-    (T/n)^(1-p) of it: equal rows at every length under ``linear``."""
+    (T/n)^(1-p) of it: equal rows at every length under ``linear``, and under ``resample``,
+    which spreads E's n columns over the T tokens."""
     n, k, C = 32, 8, 6
     proj = SequenceProjection("linear", n, k, groups=groups, length_norm=length_norm)
     with torch.no_grad():
@@ -503,13 +504,39 @@ def test_length_norm_scales_each_sentence_by_its_own_length(length_norm, groups)
     x = torch.full((n, len(lengths), C), 3.0).masked_fill(pad_mask.t().unsqueeze(-1), 0.0)
     out, kept = proj(x, pad_mask)
     assert kept is None and out.shape == (k, len(lengths), C)
-    p = LENGTH_NORM_POWERS[length_norm]
+    p = 1.0 if length_norm == "resample" else LENGTH_NORM_POWERS[length_norm]
     for b, T in enumerate(lengths.tolist()):
         expected = 3.0 * (T / n) ** (1 - p)
         torch.testing.assert_close(out[:, b], torch.full((k, C), expected), atol=1e-5, rtol=0)
     # no padding mask: T is the input's own length
     alone, _ = proj(x[:5, 2:3], None)
     torch.testing.assert_close(alone, out[:, 2:3], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("groups", (1, 2))
+def test_resample_projects_a_sentence_as_its_tokens_stretched_over_the_block(groups):
+    """``resample``: a sentence of L tokens projects as E applied to the n-position block in
+    which each token fills n/L positions (an exact repetition when L divides n; for other L,
+    checked on a block L times finer with each E column split in L equal parts); at L = n it is
+    E itself, and the gradient reaches E."""
+    torch.manual_seed(0)
+    n, k, C = 32, 8, 6
+    proj = SequenceProjection("linear", n, k, groups=groups, length_norm="resample")
+    lengths = torch.tensor([n, 16, 5, 1])
+    pad_mask = torch.arange(n).unsqueeze(0) >= lengths.unsqueeze(1)
+    x = torch.randn(n, len(lengths), C).masked_fill(pad_mask.t().unsqueeze(-1), 0.0)
+    out, _ = proj(x, pad_mask)
+
+    def full_block(E, block):  # E (groups x) k x N applied to an N x C block
+        heads = block.view(block.size(0), groups, C // groups)
+        return torch.einsum("gkt,tgd->kgd", E.view(groups, k, -1), heads).reshape(k, C)
+
+    for b, L in enumerate(lengths.tolist()):
+        fine = x[:L, b].repeat_interleave(n, 0)  # each token n times: n L positions
+        expected = full_block(proj.weight.repeat_interleave(L, -1) / L, fine)
+        torch.testing.assert_close(out[:, b], expected, atol=1e-5, rtol=0)
+    out.sum().backward()
+    assert proj.weight.grad is not None and proj.weight.grad.abs().sum() > 0
 
 
 def test_mean_init_is_mean_pooling_and_normal_init_matches_the_original():

@@ -108,7 +108,8 @@ class LinformerRobertaConfig(FairseqDataclass):
         metadata={
             "help": "linear projections: multiply each sentence's projected rows by (n/T)^p, T its own "
             "length: none (p=0, the original example), sqrt (p=0.5), linear (p=1; keeps short inputs "
-            "at the scale of full blocks). Saved in checkpoints: loading one restores what it was trained with"
+            "at the scale of full blocks); resample: stretch E's n columns over the T tokens instead (each row "
+            "keeps its full-block sum and mix). Saved in checkpoints: loading one restores what it was trained with"
         },
     )
     compress_init: ChoiceEnum(COMPRESS_INITS) = field(

@@ -16,8 +16,10 @@ from torch import Tensor, nn
 
 COMPRESS_SHARING = ("none", "headwise", "kv", "layerwise")
 COMPRESS_TYPES = ("linear", "mean", "max", "conv")
-# p in the factor (n / T)^p applied to a linear projection of a T-token sentence
-LENGTH_NORM_POWERS = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}
+# p in the factor (n / T)^p applied to a linear projection of a T-token sentence; "resample"
+# (coded -1) stretches E's n columns over the sentence's T tokens instead of slicing and scaling
+LENGTH_NORM_POWERS = {"none": 0.0, "sqrt": 0.5, "linear": 1.0, "resample": -1.0}
+RESAMPLE = LENGTH_NORM_POWERS["resample"]
 COMPRESS_INITS = ("normal", "xavier", "mean")
 
 logger = logging.getLogger(__name__)
@@ -109,7 +111,10 @@ class SequenceProjection(nn.Module):
       shrunk to about T/n of their trained size on short inputs (GLUE sentences are ~5% of
       n=512). ``length_norm`` undoes that per sentence: rows are multiplied by (n / T)^p, T
       being the sentence's own number of real tokens, p = 0 (``none``, the original
-      example), 0.5 (``sqrt``) or 1 (``linear``); the factor is 1 at T = n.
+      example), 0.5 (``sqrt``) or 1 (``linear``); the factor is 1 at T = n. ``resample``
+      instead reads the T tokens as if they filled the n positions: token t covers
+      [t n/T, (t+1) n/T), so its column is the sum of E's columns over that span (fractional at
+      the edges). Every row keeps its full-block sum and its mix along the block.
     - ``mean`` / ``max``: pooling over windows of s positions; ``conv``: a learned kernel of
       width s applied with stride s (a block-structured E, initialised to mean pooling). An
       input of T positions gives ``ceil(T / s)`` rows, each normalised by its own window, so
@@ -202,6 +207,8 @@ class SequenceProjection(nn.Module):
 
     def _linear(self, x: Tensor, pad_mask: Tensor | None, weight: Tensor) -> Tensor:
         T, B, C = x.shape
+        if self.length_power == RESAMPLE and (pad_mask is not None or T < self.max_positions):
+            return self._resampled(x, pad_mask, weight)
         E = weight[..., :T]
         rows = E.size(-2)
         if E.dim() == 2:
@@ -212,12 +219,30 @@ class SequenceProjection(nn.Module):
             x = x.reshape(T, B, groups, C // groups)
             out = torch.einsum("gkt,tbgd->kbgd", E, x).reshape(rows, B, C)
         if self.length_power == 0.0 or (pad_mask is None and T == self.max_positions):
-            return out  # factor 1: every full pretraining block
+            return out  # factor 1, or E itself: every full pretraining block
         # in place: `out` is a fresh product that its backward does not need
         if pad_mask is None:
             return out.mul_((self.max_positions / T) ** self.length_power)
         lengths = (~pad_mask).sum(1).clamp(min=1).to(out.dtype)  # each sentence's own T
         return out.mul_((self.max_positions / lengths).pow(self.length_power).view(1, B, 1))
+
+    def _resampled(self, x: Tensor, pad_mask: Tensor | None, weight: Tensor) -> Tensor:
+        """E stretched per sentence: with L real tokens, token t's column is the integral of E's
+        columns over [t n/L, (t+1) n/L), read off their cumulative sum by linear interpolation;
+        columns past the sentence integrate over nothing."""
+        T, B, C = x.shape
+        n = self.max_positions
+        lengths = torch.full((B,), float(T), device=x.device) if pad_mask is None else (~pad_mask).sum(1).clamp(min=1)
+        cumulative = F.pad(weight.float().cumsum(-1), (1, 0))  # [..., j]: the sum of E's first j columns
+        edges = (torch.arange(T + 1, device=x.device) * (n / lengths.float()).unsqueeze(1)).clamp(max=n)  # B x T+1
+        left = edges.floor().long().clamp(max=n - 1)
+        integral = cumulative[..., left] + weight.float()[..., left] * (edges - left)  # ... x B x T+1
+        E = (integral[..., 1:] - integral[..., :-1]).to(x.dtype)  # ... x k x B x T
+        if E.dim() == 3:
+            return torch.einsum("kbt,tbc->kbc", E, x)
+        groups = E.size(0)
+        out = torch.einsum("gkbt,tbgd->kbgd", E, x.reshape(T, B, groups, C // groups))
+        return out.reshape(E.size(1), B, C)
 
     def _pooled(self, x: Tensor, pad_mask: Tensor | None, weight: Tensor | None):
         T, B, C = x.shape

@@ -5,13 +5,13 @@ Steps, each reused when the study runs again (a killed pretraining resumes from 
 checkpoint_last.pt):
 
 1. data: WikiText-2 train + books -> corpus, sentencepiece, data-bin; WikiText-2 valid is the
-   validation text; a fixed SST-2 training subset with the full dev set.
+   validation text; for each GLUE task a fixed training subset with the full dev set.
 2. per run, in OUT/runs/NAME/: masked-LM pretraining (pretrain.log), the masked-LM loss on
-   validation text cut to shorter contexts (short_inputs.json), SST-2 finetuning with several
-   seeds (sst2-seedS.log).
-3. report: wall time per training update of every model, measured alone one after another
-   (timing.json), then OUT/report.md, OUT/results.json, OUT/logs-summary.txt and
-   OUT/perplexity.png.
+   validation text cut to shorter contexts (short_inputs.json), finetuning on each GLUE task
+   with several seeds (TASK-seedS.log).
+3. report: wall time and peak memory of a training update of every model, measured alone one
+   after another as the benchmark measures them (timing.json), then OUT/report.md,
+   OUT/results.json, OUT/logs-summary.txt and OUT/perplexity.png.
 """
 
 import argparse
@@ -27,24 +27,30 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from dataprep.common import guess_encoding
+from linformer_tools import measure
 from linformer_tools.common import PLUGIN_DIR, REPO, atomic, fail, write_text
 from linformer_tools.logs import by_update, records
 
 DATA_PREP = REPO / "data-prep"
 
-SIZES = {  # layers, width, ffn, heads, n, batch (sequences per update)
-    "small": dict(layers=4, dim=256, ffn=1024, heads=4, n=256, batch=8),
-    "tiny": dict(layers=2, dim=32, ffn=64, heads=4, n=64, batch=8),
+# The model, n and the pretraining recipe of each study size; --batch, --budget, --lr,
+# --vocab-size and --pre-ln override the recipe. "context" is the scale at which the models use
+# context (docs/quality.md: the recipe search); "small" the 800-update small-budget reading.
+SIZES = {
+    "context": dict(layers=4, dim=256, ffn=1024, heads=4, n=256, batch=16, vocab=2000, lr=1e-3, budget=3000),
+    "small": dict(layers=4, dim=256, ffn=1024, heads=4, n=256, batch=8, vocab=8000, lr=5e-4, budget=800),
+    "tiny": dict(layers=2, dim=32, ffn=64, heads=4, n=64, batch=8, vocab=1000, lr=5e-3, budget=16),
 }
+# GLUE folder -> (the metric fairseq logs for it, criterion flags, train.tsv starts with a header)
+TASKS = {"SST-2": ("accuracy", [], True), "CoLA": ("mcc", ["--report-mcc"], False)}
 
 
 def linformer(n, k=None, **changes):
-    """Flags of a Linformer run: k = n/8, headwise, linear projection, linear length norm,
-    N(0, 0.02) init, each overridden by ``changes`` (all explicit: no run depends on the
-    plugin's defaults)."""
+    """Flags of a Linformer run: k = n/4 (the plugin's default ratio), headwise, linear
+    projection, linear length norm, N(0, 0.02) init, each overridden by ``changes`` (all
+    explicit: no run depends on the plugin's defaults)."""
     flags = dict(
-        compressed_dim=k or n // 8,
+        compressed_dim=k or n // 4,
         compress_sharing="headwise",
         compress_type="linear",
         compress_length_norm="linear",
@@ -57,29 +63,36 @@ def linformer(n, k=None, **changes):
 
 
 def run_specs(n):
-    """Name -> (model flags, extra pretraining flags), in the order they run: the transfer to
-    short inputs and its alternatives first, then k, sharing, init, so a study cut short
-    keeps what matters most."""
+    """Name -> (model flags, extra pretraining flags, the run whose pretraining it shares), in
+    the order they run, so a study cut short keeps what matters most. The first ``CORE`` runs
+    are the study; the rest are the alternatives the small-budget reading also tried (``--runs``
+    picks them). Runs that differ from the reference only in the length handling share its
+    pretraining: every pretraining block is n tokens long, where the handling is the identity."""
     # blocks of whole lines (paragraphs) up to n tokens; fairseq gives a line longer than the
     # block a block of its own, too long for n, so such lines are skipped (train and valid)
     varied = ["--sample-break-mode", "complete", "--skip-invalid-size-inputs-valid-test"]
     return {
-        "roberta": (["--arch", "roberta_base"], []),
-        "linformer": (linformer(n), []),
-        "length-norm-none": (linformer(n, compress_length_norm="none"), []),
-        "mean-pooling": (linformer(n, compress_type="mean"), []),
-        "varied-blocks-norm-none": (linformer(n, compress_length_norm="none"), varied),
-        "k-n16": (linformer(n, n // 16), []),
-        "k-n4": (linformer(n, n // 4), []),
-        "init-xavier": (linformer(n, compress_init="xavier"), []),
-        "sharing-kv": (linformer(n, compress_sharing="kv"), []),
-        "sharing-layerwise": (linformer(n, compress_sharing="layerwise"), []),
-        "init-mean": (linformer(n, compress_init="mean"), []),
-        "sharing-none": (linformer(n, compress_sharing="none"), []),
-        "length-norm-sqrt": (linformer(n, compress_length_norm="sqrt"), []),
-        "conv": (linformer(n, compress_type="conv"), []),
-        "nonuniform-k": (linformer(n, layer_compressed_dims=",".join(str(n // d) for d in (4, 8, 16, 16))), []),
+        "roberta": (["--arch", "roberta_base"], [], None),
+        "linformer": (linformer(n), [], None),
+        "conv": (linformer(n, compress_type="conv"), [], None),
+        "mean-pooling": (linformer(n, compress_type="mean"), [], None),
+        "resample": (linformer(n, compress_length_norm="resample"), [], "linformer"),
+        "k-n8": (linformer(n, n // 8), [], None),
+        "k-n16": (linformer(n, n // 16), [], None),
+        "sharing-kv": (linformer(n, compress_sharing="kv"), [], None),
+        "sharing-layerwise": (linformer(n, compress_sharing="layerwise"), [], None),
+        "linformer-seed2": (linformer(n), ["--seed", "2"], None),  # the pretraining seed's noise
+        "length-norm-none": (linformer(n, compress_length_norm="none"), [], "linformer"),
+        "length-norm-sqrt": (linformer(n, compress_length_norm="sqrt"), [], "linformer"),
+        "varied-blocks-norm-none": (linformer(n, compress_length_norm="none"), varied, None),
+        "init-xavier": (linformer(n, compress_init="xavier"), [], None),
+        "init-mean": (linformer(n, compress_init="mean"), [], None),
+        "sharing-none": (linformer(n, compress_sharing="none"), [], None),
+        "nonuniform-k": (linformer(n, layer_compressed_dims=",".join(str(n // d) for d in (2, 4, 8, 8))), [], None),
     }
+
+
+CORE = 10
 
 
 def log(msg):
@@ -109,65 +122,32 @@ def sh(cmd, logfile=None, threads=None):
 
 
 def prepare_data(args, work):
-    """Corpus, sentencepiece, data-bin and the SST-2 subset under work/; returns paths."""
+    """Corpus, sentencepiece, data-bin and the GLUE subsets under work/; returns paths."""
     data = work / "data"
     data.mkdir(parents=True, exist_ok=True)
     wt, books = args.wikitext, args.books
-    for path in (
-        wt / "wiki.train.tokens",
-        wt / "wiki.valid.tokens",
-        books,
-        args.sst2 / "train.tsv",
-        args.sst2 / "dev.tsv",
-    ):
+    tsvs = [args.glue / task / f"{split}.tsv" for task in args.tasks for split in ("train", "dev")]
+    for path in (wt / "wiki.train.tokens", wt / "wiki.valid.tokens", books, *tsvs):
         if not path.exists():
             fail(f"{path} not found (see --help for the data flags)")
-    books = utf8_books(books, data / "books")
     # The corpus builder always holds out documents; the train corpus gives 1 document to its
     # unused valid split, and all of WikiText-2 valid becomes the validation text.
+    corpus = [DATA_PREP / "corpus.sh", "--valid-docs", 1]
     sh(
-        [
-            DATA_PREP / "corpus.sh",
-            "--out",
-            data / "corpus-train",
-            "--valid-docs",
-            "1",
-            "--wikitext",
-            wt / "wiki.train.tokens",
-            "--books",
-            books,
-        ]
+        [*corpus, "--out", data / "corpus-train", "--wikitext", wt / "wiki.train.tokens"]
+        + ["--books", books, "--books-encoding", "auto"]
     )
-    sh(
-        [
-            DATA_PREP / "corpus.sh",
-            "--out",
-            data / "corpus-valid",
-            "--valid-docs",
-            "1",
-            "--wikitext",
-            wt / "wiki.valid.tokens",
-        ]
-    )
+    sh([*corpus, "--out", data / "corpus-valid", "--wikitext", wt / "wiki.valid.tokens"])
     valid_txt = data / "valid.txt"
     if not valid_txt.exists():
         text = "".join((data / "corpus-valid" / f).read_text() for f in ("train.txt", "valid.txt"))
         write_text(valid_txt, text)
     spm = data / "spm"
     sh(
-        [
-            DATA_PREP / "spm.sh",
-            "train",
-            "--corpus",
-            data / "corpus-train" / "train.txt",
-            "--out",
-            spm,
-            "--vocab-size",
-            args.vocab_size,
-            "--workers",
-            2,
-        ]
+        [DATA_PREP / "spm.sh", "train", "--corpus", data / "corpus-train" / "train.txt", "--out", spm]
+        + ["--vocab-size", args.vocab_size, "--workers", 2]
     )
+    inputs, outputs = [data / "corpus-train" / "train.txt", valid_txt], [data / "train.spm", data / "valid.spm"]
     sh(
         [
             DATA_PREP / "spm.sh",
@@ -177,93 +157,44 @@ def prepare_data(args, work):
             "--workers",
             2,
             "--inputs",
-            data / "corpus-train" / "train.txt",
-            valid_txt,
+            *inputs,
             "--outputs",
-            data / "train.spm",
-            data / "valid.spm",
+            *outputs,
         ]
     )
     sh(
-        [
-            DATA_PREP / "binarize.sh",
-            "--train",
-            data / "train.spm",
-            "--valid",
-            data / "valid.spm",
-            "--srcdict",
-            spm / "dict.txt",
-            "--destdir",
-            data / "data-bin",
-            "--shards",
-            1,
-            "--workers",
-            2,
-        ]
+        [DATA_PREP / "binarize.sh", "--train", data / "train.spm", "--valid", data / "valid.spm"]
+        + ["--srcdict", spm / "dict.txt", "--destdir", data / "data-bin", "--shards", 1, "--workers", 2]
     )
 
-    subset = data / "sst2-subset" / "SST-2"
-    if not (subset / "dev.tsv").exists():
-        subset.mkdir(parents=True, exist_ok=True)
-        header, *rows = (args.sst2 / "train.tsv").read_text().splitlines(keepends=True)
-        if len(rows) < args.sst2_train_rows:
-            fail(f"{args.sst2}/train.tsv has {len(rows)} rows, fewer than --sst2-train-rows {args.sst2_train_rows}")
-        rows = random.Random(0).sample(rows, args.sst2_train_rows)
-        (subset / "train.tsv").write_text(header + "".join(rows))
-        (subset / "dev.tsv").write_text((args.sst2 / "dev.tsv").read_text())
+    subsets = data / "glue-subsets"
+    for task in args.tasks:
+        if not (subsets / task / "dev.tsv").exists():
+            (subsets / task).mkdir(parents=True, exist_ok=True)
+            rows = (args.glue / task / "train.tsv").read_text().splitlines(keepends=True)
+            header = rows.pop(0) if TASKS[task][2] else ""
+            train = random.Random(0).sample(rows, min(args.train_rows, len(rows)))
+            (subsets / task / "train.tsv").write_text(header + "".join(train))
+            (subsets / task / "dev.tsv").write_text((args.glue / task / "dev.tsv").read_text())
     sh(
-        [
-            DATA_PREP / "glue.sh",
-            "--glue-dir",
-            subset.parent,
-            "--tasks",
-            "SST-2",
-            "--spm-model",
-            spm / "spm.model",
-            "--srcdict",
-            spm / "dict.txt",
-            "--destdir",
-            data / "glue",
-            "--workers",
-            2,
-        ]
+        [DATA_PREP / "glue.sh", "--glue-dir", subsets, "--tasks", *args.tasks, "--spm-model", spm / "spm.model"]
+        + ["--srcdict", spm / "dict.txt", "--destdir", data / "glue", "--workers", 2]
     )
     shards = sorted((data / "data-bin").glob("shard*"))
-    return {"data_bin": ":".join(map(str, shards)) or str(data / "data-bin"), "sst2_bin": data / "glue" / "SST-2-bin"}
-
-
-def utf8_books(src, dest):
-    """Copies of the books in UTF-8 (two of the Gutenberg books are Latin-1), made once."""
-    if not dest.exists():
-        with atomic(dest) as tmp:
-            tmp.mkdir()
-            for book in sorted(src.glob("*.txt")):
-                text = book.read_bytes().decode(guess_encoding(book, fallback="latin-1"))
-                (tmp / book.name).write_text(text, encoding="utf-8")
-    return dest
+    return {
+        "data_bin": ":".join(map(str, shards)) or str(data / "data-bin"),
+        **{task: data / "glue" / f"{task}-bin" for task in args.tasks},
+    }
 
 
 # ------------------------------------------------------------------------------- one run
 
 
-def size_flags(size):
-    s = SIZES[size]
-    return [
-        "--encoder-layers",
-        s["layers"],
-        "--encoder-embed-dim",
-        s["dim"],
-        "--encoder-ffn-embed-dim",
-        s["ffn"],
-        "--encoder-attention-heads",
-        s["heads"],
-        "--max-positions",
-        s["n"],
-        "--dropout",
-        0.1,
-        "--attention-dropout",
-        0.1,
-    ]
+def size_flags(s):
+    flags = ["--encoder-layers", s["layers"], "--encoder-embed-dim", s["dim"], "--encoder-ffn-embed-dim", s["ffn"]]
+    flags += ["--encoder-attention-heads", s["heads"], "--max-positions", s["n"]]
+    flags += ["--dropout", 0.1, "--attention-dropout", 0.1]
+    return flags + (["--encoder-normalize-before"] if s["pre_ln"] else [])
 
 
 COMMON = [
@@ -289,111 +220,47 @@ COMMON = [
 ]
 
 
-def pretrain(args, paths, name, model_flags, task_flags, out):
-    s, updates = SIZES[args.size], args.budget
+def pretrain(args, paths, model_flags, extra_flags, out):
+    s, updates = args.shape, args.budget
+    every = max(1, updates // 8)
     sh(
-        [
-            sys.executable,
-            "-m",
-            "fairseq_cli.train",
-            paths["data_bin"],
-            *model_flags,
-            *size_flags(args.size),
-            *COMMON,
-            "--task",
-            "masked_lm",
-            "--criterion",
-            "masked_lm",
-            "--tokens-per-sample",
-            s["n"],
-            "--sample-break-mode",
-            "none",
-            *task_flags,
-            "--batch-size",
-            s["batch"],
-            "--seed",
-            1,
-            "--lr",
-            args.lr,
-            "--warmup-updates",
-            max(1, updates // 10),
-            "--total-num-update",
-            updates,
-            "--max-update",
-            updates,
-            "--validate-interval-updates",
-            max(1, updates // 8),
-            # --max-valid-steps stops validation early; with fairseq's prefetch thread on, the
-            # process then aborts at exit ("terminate called without an active exception")
-            "--batch-size-valid",
-            32,
-            "--max-valid-steps",
-            args.valid_batches,
-            "--data-buffer-size",
-            0,
-            "--save-interval-updates",
-            max(1, updates // 8),
-            "--keep-interval-updates",
-            1,
-            "--no-epoch-checkpoints",
-            "--log-interval",
-            max(1, updates // 40),
-            "--save-dir",
-            out / "checkpoints",
-        ],
+        [sys.executable, "-m", "fairseq_cli.train", paths["data_bin"], *model_flags, *size_flags(s), *COMMON]
+        + ["--task", "masked_lm", "--criterion", "masked_lm", "--tokens-per-sample", s["n"]]
+        + ["--sample-break-mode", "none", "--batch-size", s["batch"], "--seed", 1, "--lr", s["lr"]]
+        + ["--warmup-updates", max(1, updates // 10), "--total-num-update", updates, "--max-update", updates]
+        # --max-valid-steps stops validation early; with fairseq's prefetch thread on, the
+        # process then aborts at exit ("terminate called without an active exception")
+        + ["--validate-interval-updates", every, "--batch-size-valid", 32, "--max-valid-steps", args.valid_batches]
+        + ["--data-buffer-size", 0, "--save-interval-updates", every, "--keep-interval-updates", 1]
+        + ["--no-epoch-checkpoints", "--log-interval", max(1, updates // 40), "--save-dir", out / "checkpoints"]
+        + extra_flags,  # last, so that a run's own --seed or break mode wins
         out / "pretrain.log",
         threads=args.threads,
     )
 
 
-def finetune(args, paths, model_flags, out, seed):
-    updates_per_epoch = math.ceil(args.sst2_train_rows / 32)
+def finetune(args, paths, task, model_flags, out, seed):
+    """TASK from the pretrained checkpoint: batch 32, linear decay after 6% warmup, no selection on dev."""
+    updates_per_epoch = math.ceil(min(args.train_rows, len(glue_rows(args, task))) / 32)
     total = updates_per_epoch * args.finetune_epochs
+    metric, criterion_flags, _ = TASKS[task]
     sh(
-        [
-            sys.executable,
-            "-m",
-            "fairseq_cli.train",
-            paths["sst2_bin"],
-            *model_flags,
-            *size_flags(args.size),
-            *COMMON,
-            "--finetune-from-model",
-            out / "checkpoints" / "checkpoint_last.pt",
-            "--task",
-            "sentence_prediction",
-            "--criterion",
-            "sentence_prediction",
-            "--num-classes",
-            2,
-            "--init-token",
-            0,
-            "--separator-token",
-            2,
-            "--shorten-method",
-            "truncate",
-            "--batch-size",
-            32,
-            "--lr",
-            args.finetune_lr,
-            "--warmup-updates",
-            max(1, total // 16),
-            "--total-num-update",
-            total,
-            "--max-epoch",
-            args.finetune_epochs,
-            "--seed",
-            seed,
-            "--no-save",
-            "--log-interval",
-            max(1, updates_per_epoch // 2),
-            "--best-checkpoint-metric",
-            "accuracy",
-            "--maximize-best-checkpoint-metric",
-        ],
-        out / f"sst2-seed{seed}.log",
+        [sys.executable, "-m", "fairseq_cli.train", paths[task], *model_flags, *size_flags(args.shape), *COMMON]
+        + ["--finetune-from-model", out / "checkpoints" / "checkpoint_last.pt"]
+        + ["--task", "sentence_prediction", "--criterion", "sentence_prediction", *criterion_flags]
+        + ["--num-classes", 2, "--init-token", 0, "--separator-token", 2, "--shorten-method", "truncate"]
+        + ["--batch-size", 32, "--lr", args.finetune_lr, "--warmup-updates", max(1, total // 16)]
+        + ["--total-num-update", total, "--max-epoch", args.finetune_epochs, "--seed", seed, "--no-save"]
+        + ["--log-interval", max(1, updates_per_epoch // 2), "--best-checkpoint-metric", metric]
+        + ["--maximize-best-checkpoint-metric"],
+        out / f"{task}-seed{seed}.log",
         threads=args.threads,
     )
+
+
+def glue_rows(args, task):
+    rows = (args.glue / task / "train.tsv").read_text().splitlines()
+    return rows[1:] if TASKS[task][2] else rows
 
 
 def load(checkpoint, data_bin):
@@ -414,7 +281,7 @@ def short_input_losses(args, paths, out):
     with the whole n-token block as context and with the block cut into pieces of T tokens."""
     import torch
 
-    n = SIZES[args.size]["n"]
+    n = args.shape["n"]
     model, task = load(out / "checkpoints" / "checkpoint_last.pt", paths["data_bin"])
     d = task.source_dictionary
     stream = torch.from_numpy(_valid_tokens(task))
@@ -456,20 +323,44 @@ def _valid_tokens(task):
     return np.concatenate([ds[i].numpy() for i in range(len(ds))])
 
 
-def do_run(args, paths, name, spec):
-    model_flags, task_flags = spec
+def share_pretraining(base, out, length_norm):
+    """OUT's pretraining is BASE's: its log, and its last checkpoint with ``length_norm`` in
+    every linear projection (loading restores what the checkpoint holds)."""
+    import torch
+    from fairseq import checkpoint_utils
+
+    import linformer_fairseq  # noqa: F401  (allow-lists the checkpoint's types)
+    from linformer_fairseq.modules.linformer_attention import LENGTH_NORM_POWERS
+
+    state = checkpoint_utils.load_checkpoint_to_cpu(str(base / "checkpoints" / "checkpoint_last.pt"))
+    for key in [k for k in state["model"] if k.endswith("length_norm_power")]:
+        state["model"][key] = torch.tensor(LENGTH_NORM_POWERS[length_norm])
+    (out / "checkpoints").mkdir(exist_ok=True)
+    with atomic(out / "checkpoints" / "checkpoint_last.pt") as tmp:
+        torch.save(state, tmp)
+    write_text(out / "pretrain.log", (base / "pretrain.log").read_text())
+
+
+def do_run(args, paths, name, spec, shared=None):
+    """Pretraining, the short-input table and finetuning of one run; ``shared``: the finished
+    run whose pretraining it shares."""
+    model_flags, extra_flags, _ = spec
     out = args.out / "runs" / name
     out.mkdir(parents=True, exist_ok=True)
+    if shared and not (out / "pretrain.log").exists():
+        log(f"{name}: the pretraining of {shared.name}")
+        share_pretraining(shared, out, model_flags[model_flags.index("--compress-length-norm") + 1])
     if not (out / "pretrain.log").exists():
         log(f"{name}: pretraining {args.budget} updates")
-        pretrain(args, paths, name, model_flags, task_flags, out)
+        pretrain(args, paths, model_flags, extra_flags, out)
     if not (out / "short_inputs.json").exists():
         losses = short_input_losses(args, paths, out)
         write_text(out / "short_inputs.json", json.dumps(losses, indent=1))
-    for seed in range(1, args.seeds + 1) if args.sst2_runs is None or name in args.sst2_runs else ():
-        if not (out / f"sst2-seed{seed}.log").exists():
-            log(f"{name}: SST-2 finetuning, seed {seed}")
-            finetune(args, paths, model_flags, out, seed)
+    for task in args.tasks if args.finetune_runs is None or name in args.finetune_runs else ():
+        for seed in range(1, args.seeds + 1):
+            if not (out / f"{task}-seed{seed}.log").exists():
+                log(f"{name}: {task} finetuning, seed {seed}")
+                finetune(args, paths, task, model_flags, out, seed)
     log(f"{name}: done")
 
 
@@ -481,57 +372,50 @@ def valid_curve(log):
     return sorted(by_update(records(log, "valid"), "ppl").items())
 
 
-def dev_accuracy(log):
-    """Dev accuracy after the last epoch (no selection on dev)."""
-    found = records(log, "valid")
-    return found[-1]["accuracy"] if found else None
+def dev_scores(out, task):
+    """The task's dev metric after the last epoch of each seed (no selection on dev)."""
+    found = [records(log, "valid") for log in sorted(out.glob(f"{task}-seed*.log"))]
+    return [valid[-1][TASKS[task][0]] for valid in found if valid]
 
 
-def time_updates(args, paths, name, out, steps=6):
-    """Median wall seconds of a pretraining update (forward, backward, Adam step) on random
-    tokens at the study's batch shape, measured in this process (nothing else running)."""
+def time_updates(args, paths, out):
+    """Seconds (median) and peak memory of a pretraining update at the study's batch shape, on
+    masked random tokens, as the benchmark measures them (linformer_tools.measure)."""
     import torch
 
-    s = SIZES[args.size]
+    s = args.shape
     model, task = load(out / "checkpoints" / "checkpoint_last.pt", paths["data_bin"])
-    model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-6)
-    x = torch.randint(4, len(task.source_dictionary) - 1, (s["batch"], s["n"]))
-    masked = torch.rand(x.shape) < 0.15
-    times = []
-    for _ in range(steps + 2):
-        start = time.perf_counter()
-        logits, _ = model(x, masked_tokens=masked)
-        torch.nn.functional.cross_entropy(logits, x[masked]).backward()
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - start)
-    params = sum(p.numel() for p in model.parameters())
-    return {"seconds_per_update": statistics.median(times[2:]), "parameters": params}
+    targets = torch.randint(4, len(task.source_dictionary) - 1, (s["batch"], s["n"]))
+    masked = torch.rand(targets.shape) < 0.15
+    step = measure.training_step(model, targets.masked_fill(masked, task.mask_idx), targets, masked)
+    seconds = measure.seconds_per_step(step, min_run_time=10)
+    return {
+        "seconds_per_update": statistics.median(seconds),
+        "peak_mb": measure.peak_bytes(step) / 2**20,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def mean_sd(values, digits=1):
+    if not values:
+        return "-"
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f} ({', '.join(f'{v:.{digits}f}' for v in values)})"
 
 
 def report(args, specs):
     rows, curves = [], {}
-    n = SIZES[args.size]["n"]
+    n = args.shape["n"]
     for name in specs:
         out = args.out / "runs" / name
         if not (out / "short_inputs.json").exists():
             continue
-        curve = valid_curve(out / "pretrain.log")
-        curves[name] = curve
+        curves[name] = curve = valid_curve(out / "pretrain.log")
         short = {int(t): v for t, v in json.loads((out / "short_inputs.json").read_text()).items()}
-        accs = [a for a in (dev_accuracy(p) for p in sorted(out.glob("sst2-seed*.log"))) if a is not None]
+        scores = {task: dev_scores(out, task) for task in args.tasks}
         timing = json.loads((out / "timing.json").read_text()) if (out / "timing.json").exists() else {}
-        rows.append(
-            dict(
-                name=name,
-                flags=" ".join(map(str, specs[name][0] + specs[name][1])),
-                ppl=curve[-1][1] if curve else None,
-                short=short,
-                sst2=accs,
-                **timing,
-            )
-        )
+        flags = " ".join(map(str, specs[name][0] + specs[name][1]))
+        rows.append(dict(name=name, flags=flags, ppl=curve[-1][1] if curve else None, short=short, **scores, **timing))
     if not rows:
         fail(f"no finished run under {args.out}/runs")
     base = next((r for r in rows if r["name"] == "roberta"), None)
@@ -540,31 +424,26 @@ def report(args, specs):
     def pct(a, b):
         return f"{100 * (a / b - 1):+.1f}%" if a and b else ""
 
+    metrics = [f"{task} {TASKS[task][0]} (mean ± sd)" for task in args.tasks]
+    header = ["run", "valid ppl", "vs RoBERTa", *(f"loss T={t}" for t in lengths), f"T={lengths[0]} minus T={n}"]
+    header += [*metrics, "s/update", "peak MB", "params"]
     lines = [
-        f"Study: {args.size} models ({SIZES[args.size]}), {args.budget} pretraining updates, "
-        f"SST-2 on {args.sst2_train_rows} training rows, {args.finetune_epochs} epochs, seeds 1..{args.seeds}.",
+        f"Study: {args.size} models ({args.shape}), {args.budget} pretraining updates, "
+        f"{', '.join(args.tasks)} on at most {args.train_rows} training rows, {args.finetune_epochs} epochs, "
+        f"seeds 1..{args.seeds}.",
         "",
-        "| run | valid ppl | vs RoBERTa | "
-        + " | ".join(f"loss T={t}" for t in lengths)
-        + f" | T={lengths[0]} minus T={n} | SST-2 dev % (mean ± sd) | s/update | params |",
-        "| --- " * (7 + len(lengths)) + "|",
+        "| " + " | ".join(header) + " |",
+        "| --- " * len(header) + "|",
     ]
     for r in rows:
-        acc = r["sst2"]
-        acc_txt = (
-            (
-                f"{statistics.mean(acc):.1f} ± {statistics.stdev(acc) if len(acc) > 1 else 0:.1f}"
-                f" ({', '.join(f'{a:.1f}' for a in acc)})"
-            )
-            if acc
-            else "-"
-        )
-        lines.append(
-            f"| {r['name']} | {r['ppl']:.1f} | {pct(r['ppl'], base and base['ppl'])} | "
-            + " | ".join(f"{r['short'][t]:.3f}" for t in lengths)
-            + f" | {r['short'][lengths[0]] - r['short'][n]:+.3f} | {acc_txt} | "
-            + (f"{r['seconds_per_update']:.3f} | {r['parameters']:,} |" if "parameters" in r else "- | - |")
-        )
+        cells = [r["name"], f"{r['ppl']:.1f}", pct(r["ppl"], base and base["ppl"])]
+        cells += [f"{r['short'][t]:.3f}" for t in lengths] + [f"{r['short'][lengths[0]] - r['short'][n]:+.3f}"]
+        cells += [mean_sd(r[task]) for task in args.tasks]
+        if "parameters" in r:
+            cells += [f"{r['seconds_per_update']:.3f}", f"{r['peak_mb']:.0f}", f"{r['parameters']:,}"]
+        else:
+            cells += ["-", "-", "-"]
+        lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Flags of each run (besides the shared size and recipe):", ""]
     lines += [f"- {r['name']}: `{r['flags']}`" for r in rows]
     write_text(args.out / "report.md", "\n".join(lines) + "\n")
@@ -612,85 +491,73 @@ def plot(curves, path, title):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     shared = REPO.parent / "shared" / "data"
-    p.add_argument("--out", type=Path, default=REPO / "work" / "study", help="output folder (default: %(default)s)")
-    p.add_argument(
+
+    def arg(*names, **kw):
+        if "default" in kw and "%(default)s" not in kw.get("help", ""):
+            kw["help"] = kw.get("help", "") + " (default: %(default)s)"
+        p.add_argument(*names, **kw)
+
+    arg("--out", type=Path, default=REPO / "work" / "study", help="output folder")
+    arg(
         "--wikitext",
         type=Path,
         default=shared / "wikitext-2",
-        help="folder with wiki.train.tokens and wiki.valid.tokens (default: %(default)s)",
+        help="folder with wiki.train.tokens and wiki.valid.tokens",
     )
-    p.add_argument(
-        "--books",
-        type=Path,
-        default=shared / "gutenberg",
-        help="folder of plain-text books, one per *.txt (default: %(default)s)",
-    )
-    p.add_argument(
-        "--sst2",
-        type=Path,
-        default=shared / "glue" / "SST-2",
-        help="folder with SST-2 train.tsv and dev.tsv (default: %(default)s)",
-    )
-    p.add_argument("--size", choices=SIZES, default="small", help="model size and n (default: %(default)s)")
-    p.add_argument("--budget", type=int, default=2000, help="pretraining updates of every run (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=5e-4, help="pretraining peak learning rate (default: %(default)s)")
-    p.add_argument("--vocab-size", type=int, default=8000, help="sentencepiece vocabulary (default: %(default)s)")
-    p.add_argument(
-        "--sst2-train-rows",
-        type=int,
-        default=4000,
-        help="the fixed SST-2 training subset, drawn with seed 0 (default: %(default)s)",
-    )
-    p.add_argument("--finetune-epochs", type=int, default=3, help="(default: %(default)s)")
-    p.add_argument("--finetune-lr", type=float, default=3e-4, help="(default: %(default)s)")
-    p.add_argument("--seeds", type=int, default=3, help="SST-2 finetuning seeds per run (default: %(default)s)")
-    p.add_argument(
-        "--eval-blocks",
-        type=int,
-        default=200,
-        help="validation blocks of n tokens read by the short-input table (default: %(default)s)",
-    )
-    p.add_argument(
-        "--valid-batches",
-        type=int,
-        default=16,
-        help="validation perplexity on the first N batches of 32 blocks (default: %(default)s)",
-    )
-    p.add_argument("--runs", nargs="+", metavar="NAME", help="only these runs (default: all; see --list)")
-    p.add_argument(
-        "--sst2-runs",
+    arg("--books", type=Path, default=shared / "gutenberg", help="folder of plain-text books, one per *.txt")
+    arg("--glue", type=Path, default=shared / "glue", help="GLUE folder with one folder per task (train.tsv, dev.tsv)")
+    arg("--tasks", nargs="+", choices=TASKS, default=list(TASKS), help="GLUE tasks to finetune on")
+    arg("--size", choices=SIZES, default="context", help="model size, n and pretraining recipe")
+    arg("--batch", type=int, help="sequences of n tokens per update (default: the size's)")
+    arg("--budget", type=int, help="pretraining updates of every run (default: the size's)")
+    arg("--lr", type=float, help="pretraining peak learning rate (default: the size's)")
+    arg("--vocab-size", type=int, help="sentencepiece vocabulary (default: the size's)")
+    arg("--pre-ln", action="store_true", help="layer norm before each block (--encoder-normalize-before) in every run")
+    arg("--train-rows", type=int, default=4000, help="each task's fixed training subset, drawn with seed 0")
+    arg("--finetune-epochs", type=int, default=3)
+    arg("--finetune-lr", type=float, default=3e-4)
+    arg("--seeds", type=int, default=3, help="finetuning seeds per run and task, 0 for none")
+    arg("--eval-blocks", type=int, default=200, help="validation blocks of n tokens read by the short-input table")
+    arg("--valid-batches", type=int, default=16, help="validation perplexity on the first N batches of 32 blocks")
+    arg("--runs", nargs="+", metavar="NAME", help=f"only these runs (default: the first {CORE}; see --list)")
+    arg(
+        "--finetune-runs",
         nargs="+",
         metavar="NAME",
-        help="finetune only these runs on SST-2 (default: all); the others get perplexity and the short-input table",
+        help="finetune only these runs (default: all); the others get perplexity and the short-input table",
     )
-    p.add_argument("--list", action="store_true", help="print the runs and their flags, then exit")
-    p.add_argument(
-        "--jobs", type=int, default=1, help="runs trained at once, each on --threads threads (default: %(default)s)"
-    )
-    p.add_argument("--threads", type=int, default=0, help="threads per training process (0: torch's default)")
-    p.add_argument("--report-only", action="store_true", help="only time the finished runs and write the report")
+    arg("--list", action="store_true", help="print the runs and their flags, then exit")
+    arg("--jobs", type=int, default=1, help="runs trained at once, each on --threads threads")
+    arg("--threads", type=int, default=0, help="threads per training process, 0 for torch's default")
+    arg("--report-only", action="store_true", help="only time the finished runs and write the report")
     args = p.parse_args()
-    for name in ("budget", "sst2_train_rows", "finetune_epochs", "seeds", "jobs", "eval_blocks", "valid_batches"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("batch", "budget", "lr", "vocab_size", "train_rows", "finetune_epochs", "jobs", "eval_blocks"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.seeds < 0 or args.valid_batches < 1:
+        p.error("--seeds must be >= 0 and --valid-batches >= 1")
 
-    specs = run_specs(SIZES[args.size]["n"])
+    # the recipe: the size's, with what the flags override
+    size = SIZES[args.size]
+    args.shape = dict(size, batch=args.batch or size["batch"], lr=args.lr or size["lr"], pre_ln=args.pre_ln)
+    args.budget, args.vocab_size = args.budget or size["budget"], args.vocab_size or size["vocab"]
+    args.shape.update(budget=args.budget, vocab=args.vocab_size)
+    specs = run_specs(args.shape["n"])
     if args.list:
-        for name, (model_flags, task_flags) in specs.items():
-            print(f"{name}: {' '.join(map(str, model_flags + task_flags))}")
+        for i, (name, (model_flags, extra_flags, base)) in enumerate(specs.items()):
+            extra = ("" if i < CORE else " (not in the default set)") + (f" (pretraining of {base})" if base else "")
+            print(f"{name}{extra}: {' '.join(map(str, model_flags + extra_flags))}")
         return
-    unknown = (set(args.runs or []) | set(args.sst2_runs or [])) - set(specs)
+    unknown = (set(args.runs or []) | set(args.finetune_runs or [])) - set(specs)
     if unknown:
         p.error(f"unknown run(s) {sorted(unknown)}; --list shows the names")
-    if args.runs:
-        specs = {k: v for k, v in specs.items() if k in args.runs}
+    names = args.runs or list(specs)[:CORE]
+    specs = {k: v for k, v in specs.items() if k in names}
     args.out.mkdir(parents=True, exist_ok=True)
     args.out = args.out.resolve()
-    settings = {
-        k: str(v)
-        for k, v in vars(args).items()
-        if k not in ("runs", "sst2_runs", "jobs", "threads", "report_only", "list", "out")
-    }
+    # what the results depend on; more tasks or seeds may be added to a study later
+    settings = {k: str(getattr(args, k)) for k in ("shape", "wikitext", "books", "glue", "train_rows")}
+    settings |= {k: str(getattr(args, k)) for k in ("finetune_epochs", "finetune_lr", "eval_blocks", "valid_batches")}
     saved = args.out / "settings.json"
     if saved.exists() and json.loads(saved.read_text()) != settings:
         fail(f"{args.out} holds a study made with other settings ({saved}); use another --out")
@@ -699,13 +566,20 @@ def main():
     paths = prepare_data(args, args.out)
     if not args.report_only:
         with ThreadPoolExecutor(args.jobs) as pool:
-            for f in [pool.submit(do_run, args, paths, name, spec) for name, spec in specs.items()]:
-                f.result()
+            runs = {name: pool.submit(do_run, args, paths, name, spec) for name, spec in specs.items() if not spec[2]}
+            for name, spec in specs.items():
+                if base := spec[2]:  # once the run whose pretraining it shares is done
+                    if base not in runs:
+                        runs[base] = pool.submit(do_run, args, paths, base, run_specs(args.shape["n"])[base])
+                    runs[base].result()
+                    runs[name] = pool.submit(do_run, args, paths, name, spec, args.out / "runs" / base)
+            for run in runs.values():
+                run.result()
     for name in specs:
         out = args.out / "runs" / name
         if (out / "short_inputs.json").exists() and not (out / "timing.json").exists():  # finished runs
             log(f"{name}: timing updates")
-            write_text(out / "timing.json", json.dumps(time_updates(args, paths, name, out)))
+            write_text(out / "timing.json", json.dumps(time_updates(args, paths, out)))
     report(args, specs)
 
 

@@ -1,5 +1,5 @@
 """scripts/study_quality.sh end to end at tiny size on the bundled sample: data, pretraining,
-the short-input table, SST-2 finetuning over seeds, timing and the report; resuming a
+the short-input table, SST-2 and CoLA finetuning over seeds, timing and the report; resuming a
 finished study redoes nothing; another study's settings in the same folder are refused."""
 
 import json
@@ -24,11 +24,9 @@ def study(out, *extra):
         SAMPLE / "wikitext-2",
         "--books",
         SAMPLE / "books",
-        "--sst2",
-        SAMPLE / "glue" / "SST-2",
-        "--vocab-size",
-        "1000",
-        "--sst2-train-rows",
+        "--glue",
+        SAMPLE / "glue",
+        "--train-rows",
         "200",
         "--finetune-epochs",
         "1",
@@ -38,31 +36,34 @@ def study(out, *extra):
         "20",
         "--valid-batches",
         "2",
-        "--lr",
-        "5e-3",
         *extra,
     ]
 
 
 def test_study_runs_end_to_end_and_resumes(tmp_path):
     out = tmp_path / "study"
-    cmd = study(out, "--budget", "16", "--runs", "roberta", "linformer", "length-norm-none")
+    cmd = study(out, "--budget", "16", "--runs", "roberta", "linformer", "resample")
     run(cmd, timeout=900)
 
     rows = {r["name"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
-    assert set(rows) == {"roberta", "linformer", "length-norm-none"}
-    n, k, layers = 64, 8, 2
+    assert set(rows) == {"roberta", "linformer", "resample"}
+    n, k, layers = 64, 16, 2
     for name, r in rows.items():
         curve = json.loads((out / "results.json").read_text())["curves"][name]
         assert [u for u, _ in curve] == list(range(2, 17, 2)), curve
         assert curve[-1][1] < curve[0][1], f"{name}: validation perplexity did not fall: {curve}"
         assert sorted(map(int, r["short"])) == [n // 16, n // 8, n // 4, n]
         assert all(0 < loss < 20 for loss in r["short"].values()), r["short"]
-        assert len(r["sst2"]) == 2 and all(0 <= a <= 100 for a in r["sst2"]), r["sst2"]
-        assert r["seconds_per_update"] > 0
+        assert len(r["SST-2"]) == 2 and all(0 <= a <= 100 for a in r["SST-2"]), r["SST-2"]
+        assert len(r["CoLA"]) == 2 and all(-100 <= m <= 100 for m in r["CoLA"]), r["CoLA"]
+        assert r["seconds_per_update"] > 0 and r["peak_mb"] > 0
     # same model but for E and F (k x n, two per layer under headwise sharing)
     assert rows["linformer"]["parameters"] - rows["roberta"]["parameters"] == 2 * k * n * layers
     assert rows["linformer"]["flags"].endswith("--compress-length-norm linear --compress-init normal")
+    # resample shares the reference's pretraining (full blocks: the same model), not its short inputs
+    linformer, resample = rows["linformer"], rows["resample"]
+    assert resample["ppl"] == linformer["ppl"] and resample["short"][str(n)] == linformer["short"][str(n)]
+    assert resample["short"][str(n // 16)] != linformer["short"][str(n // 16)]
     report = (out / "report.md").read_text()
     assert all(f"| {name} |" in report for name in rows)
     table = [line for line in report.splitlines() if line.startswith("| ")]
@@ -70,7 +71,7 @@ def test_study_runs_end_to_end_and_resumes(tmp_path):
     assert (out / "perplexity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     again = run(cmd, timeout=300).stdout
-    assert ": pretraining" not in again and ": SST-2 finetuning" not in again, again[-2000:]
+    assert ": pretraining" not in again and " finetuning" not in again, again[-2000:]
 
     refused = subprocess.run(study(out, "--budget", "32", "--runs", "roberta"), capture_output=True, text=True)
     assert refused.returncode != 0 and "other settings" in refused.stderr, refused.stderr

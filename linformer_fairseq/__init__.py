@@ -1,7 +1,8 @@
 """linformer-fairseq: the Linformer (Wang et al. 2020) as a fairseq plugin.
 
 Use as ``fairseq-train --user-dir linformer_fairseq --arch linformer_roberta_base ...``.
-Importing registers the ``linformer_roberta`` model and its architectures.
+Importing registers the ``linformer_roberta`` model and its architectures, and the
+``long_sentence_prediction`` task (documents longer than the model: head / tail / head+tail).
 """
 
 import argparse
@@ -34,5 +35,6 @@ torch.serialization.add_safe_globals(
 )
 
 from .models.linformer_roberta import LinformerRobertaModel  # noqa: E402  (registers the models)
+from .tasks import long_sentence_prediction  # noqa: E402, F401  (registers the task)
 
 __all__ = ["LinformerRobertaModel"]

@@ -67,19 +67,7 @@ DATA=${DATA:-$DATA_ROOT/$(task_folder "$TASK")-bin}
 CHECKPOINT=$(realpath "$CHECKPOINT")
 SAVE_DIR=${SAVE_DIR:-checkpoints/finetune/$(basename "$(dirname "$CHECKPOINT")")/$TASK/seed$SEED}
 
-MODEL=$("$PYTHON" -m linformer_tools.launch model "$CHECKPOINT")
-mapfile -t OVERRIDES <<<"$MODEL"
-OVERRIDES+=("task.data=$(hydra_quote "$DATA")" "common.seed=$SEED")
-find_resume
-if [[ -n $RESUME ]]; then  # interrupted: continue it, keep its state
-    if [[ $RESUME == "$SAVE_DIR/checkpoint_last.pt" ]]; then
-        OVERRIDES+=(checkpoint.restore_file=checkpoint_last.pt)
-    else
-        OVERRIDES+=("checkpoint.restore_file=$(hydra_quote "$RESUME")")
-    fi
-    OVERRIDES+=(checkpoint.reset_optimizer=false checkpoint.reset_dataloader=false checkpoint.reset_meters=false)
-else
-    OVERRIDES+=("checkpoint.restore_file=$(hydra_quote "$CHECKPOINT")")
-fi
+OVERRIDES=("task.data=$(hydra_quote "$DATA")" "common.seed=$SEED")
+start_from "$CHECKPOINT"
 OVERRIDES+=("${ARGS[@]:2}")
 launch "$REPO/configs/finetuning" "$TASK"

@@ -124,6 +124,30 @@ find_resume() {
     return 0
 }
 
+# start_from CHECKPOINT: the model as CHECKPOINT holds it (architecture, max_positions, k,
+# sharing, ...) and where training starts: a relaunch with the same SAVE_DIR continues its own
+# run with its optimizer state; otherwise CHECKPOINT's weights, with the fresh optimizer,
+# schedule and data order that the config's checkpoint.reset_* ask for
+start_from() {
+    [[ -f $1 ]] || die "checkpoint $1 does not exist"
+    local checkpoint model
+    checkpoint=$(realpath "$1")
+    model=$("$PYTHON" -m linformer_tools.launch model "$checkpoint")
+    mapfile -t -O "${#OVERRIDES[@]}" OVERRIDES <<<"$model"
+    find_resume
+    if [[ -z $RESUME ]]; then
+        OVERRIDES+=("checkpoint.restore_file=$(hydra_quote "$checkpoint")")
+        return
+    fi
+    if [[ $RESUME == "$SAVE_DIR/checkpoint_last.pt" ]]; then
+        OVERRIDES+=(checkpoint.restore_file=checkpoint_last.pt)
+    else
+        OVERRIDES+=("checkpoint.restore_file=$(hydra_quote "$RESUME")")
+    fi
+    OVERRIDES+=(checkpoint.reset_optimizer=false checkpoint.reset_lr_scheduler=false)
+    OVERRIDES+=(checkpoint.reset_dataloader=false checkpoint.reset_meters=false)
+}
+
 # launch CONFIG_DIR CONFIG: plan the batch, then print and (unless --dry-run) run the training
 launch() {
     local config_dir=$1 config=$2 plan batch update_freq global_batch

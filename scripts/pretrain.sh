@@ -20,18 +20,28 @@ Options:
 $COMMON_HELP
   --nodes N           nodes (default 1); N > 1 runs one copy per GPU under srun, which
                       scripts/slurm/pretrain.sbatch does, with --distributed-port P
+  --from CHECKPOINT   continue pretraining CHECKPOINT's model (its architecture, max_positions,
+                      k, sharing, ... are read from it) with a fresh optimizer and schedule, on
+                      blocks of its max_positions tokens: the step after
+                      scripts/extend_max_positions.py, with CONFIG extend (default --save-dir:
+                      checkpoints/CONFIG/<CHECKPOINT's file name without .pt>)
 
 Examples:
   scripts/pretrain.sh --gpus 8 linformer_n512_k128_headwise data-bin/shard0:data-bin/shard1
   scripts/pretrain.sh --cpu --global-batch 8 --batch-size 8 linformer_n512_k128_headwise \\
       data-bin/shard0 optimization.max_update=100 model.encoder_layers=2
+  scripts/pretrain.sh --gpus 8 --from checkpoints/n2048.pt extend data-bin/shard0
 HELP
 }
 
-ARGS=()
+ARGS=() FROM=''
 while (($#)); do
     case $1 in
         -h | --help) usage; exit 0 ;;
+        --from)
+            (($# >= 2)) || die "$1 needs a value"
+            FROM=$2
+            shift 2 ;;
         *) if common_option "$@"; then shift "$CONSUMED"; else ARGS+=("$1"); shift; fi ;;
     esac
 done
@@ -41,11 +51,25 @@ IFS=: read -r -a DATA_DIRS <<<"$DATA"  # split at ':' only: a folder name may ho
 for dir in "${DATA_DIRS[@]}"; do
     [[ -d $dir ]] || ((DRY_RUN)) || die "data folder $dir does not exist"
 done
-SAVE_DIR=${SAVE_DIR:-checkpoints/$CONFIG}
 OVERRIDES=("task.data=$(hydra_quote "$DATA")")
-find_resume
-if [[ -n $RESUME && $RESUME != "$SAVE_DIR/checkpoint_last.pt" ]]; then  # fairseq's default is the last
-    OVERRIDES+=("checkpoint.restore_file=$(hydra_quote "$RESUME")")
+if [[ -n $FROM ]]; then
+    FROM_NAME=$(basename "$FROM")
+    SAVE_DIR=${SAVE_DIR:-checkpoints/$CONFIG/${FROM_NAME%.pt}}
+    start_from "$FROM"
+    # blocks of the model's own length, with the per-GPU batch of that length's seq_len config
+    # when the config is built on recipe.yaml and one exists (seq_len/n2048.yaml: 4 x 2048 tokens)
+    N=$(printf '%s\n' "${OVERRIDES[@]}" | sed -n 's/^++model.max_positions=//p')
+    if [[ -f $REPO/configs/pretraining/seq_len/n$N.yaml ]] &&
+        grep -qE '^ *- (recipe|seq_len)' "$REPO/configs/pretraining/$CONFIG.yaml"; then
+        OVERRIDES+=("seq_len=n$N")
+    fi
+    OVERRIDES+=("task.tokens_per_sample=$N")
+else
+    SAVE_DIR=${SAVE_DIR:-checkpoints/$CONFIG}
+    find_resume
+    if [[ -n $RESUME && $RESUME != "$SAVE_DIR/checkpoint_last.pt" ]]; then  # fairseq's default is the last
+        OVERRIDES+=("checkpoint.restore_file=$(hydra_quote "$RESUME")")
+    fi
 fi
 OVERRIDES+=("${ARGS[@]:2}")
 launch "$REPO/configs/pretraining" "$CONFIG"

@@ -29,7 +29,7 @@ GLOBAL_BATCH = 2048  # RoBERTa-base's, see configs/pretraining/recipe.yaml
 
 
 def primaries(folder):
-    return sorted(p.stem for p in folder.glob("*.yaml") if p.stem not in ("recipe", "quickstart"))
+    return sorted(p.stem for p in folder.glob("*.yaml") if p.stem not in ("recipe", "quickstart", "extend"))
 
 
 def resolved(folder, name, overrides=()):
@@ -65,7 +65,7 @@ def data(tmp_path_factory):
 def test_every_yaml_is_a_composed_config_or_a_group_of_one():
     """No stray yaml: each file is a primary config, the recipe, or an option of a group the
     recipe (or the command line, for run_config) selects."""
-    groups = {"arch", "seq_len", "metric", "run_config"}
+    groups = {"arch", "seq_len", "schedule", "metric", "truncation", "run_config"}
     for path in (REPO / "configs").rglob("*.yaml"):
         rel = path.relative_to(REPO / "configs")
         assert rel.parts[0] in ("pretraining", "finetuning"), rel
@@ -78,6 +78,7 @@ def test_pretraining_config_builds_its_model(name, data):
     assert cfg.checkpoint.save_dir == f"checkpoints/{name}"
     # the paper's recipe, whatever the variant
     assert (cfg.task._name, cfg.criterion._name, cfg.optimizer._name) == ("masked_lm", "masked_lm", "adam")
+    assert cfg.task.sample_break_mode == "complete"  # RoBERTa's FULL-SENTENCES
     assert (cfg.optimization.max_update, cfg.optimization.lr, cfg.lr_scheduler.warmup_updates) == (
         250000,
         [0.0005],
@@ -115,6 +116,7 @@ def test_finetuning_config_builds_its_model(name, data):
     assert cfg.checkpoint.save_dir == f"checkpoints/finetune/{name}/seed1"
     assert cfg.checkpoint.reset_optimizer and cfg.checkpoint.reset_dataloader and cfg.checkpoint.reset_meters
     assert cfg.task.max_positions == cfg.model.max_positions == 512
+    assert (cfg.task._name, cfg.task.truncation) == ("long_sentence_prediction", "head_tail" if name == "imdb" else "head")
     metric = {"cola": "mcc", "sts_b": "pearson"}.get(name, "accuracy")
     assert cfg.checkpoint.best_checkpoint_metric == metric and cfg.checkpoint.maximize_best_checkpoint_metric
     classes = {"mnli": 3, "sts_b": 1}.get(name, 2)
@@ -139,6 +141,23 @@ def test_local_run_config_is_one_process(folder, data):
     name = primaries(folder)[0]
     cfg = resolved(folder, name, [f"task.data={data}", "+run_config=local"])
     assert cfg.distributed_training.distributed_world_size == 1 and cfg.common.log_interval == 1
+
+
+def test_extend_config_continues_a_checkpoint_at_its_length(data):
+    """extend.yaml with what scripts/pretrain.sh --from adds for a checkpoint at n' = 2048: the
+    recipe at n', the short continued-pretraining schedule, a fresh optimizer and schedule."""
+    model = ["++model._name=linformer_roberta", "++model.max_positions=2048", "++model.compressed_dim=256"]
+    overrides = [f"task.data={data}", "checkpoint.restore_file=x.pt", "seq_len=n2048", "task.tokens_per_sample=2048"]
+    cfg = resolved(PRETRAINING, "extend", overrides + model + SHRINK)
+    assert (cfg.optimization.max_update, cfg.optimization.lr, cfg.lr_scheduler.warmup_updates) == (10000, [1e-4], 500)
+    c = cfg.checkpoint
+    assert c.restore_file == "x.pt" and c.reset_optimizer and c.reset_lr_scheduler and c.reset_dataloader
+    assert cfg.task.tokens_per_sample == cfg.model.max_positions == 2048 and cfg.task.sample_break_mode == "none"
+    assert cfg.dataset.batch_size * cfg.optimization.update_freq[0] * cfg.distributed_training.distributed_world_size == GLOBAL_BATCH
+    x = torch.randn(2048, 1, cfg.model.encoder_embed_dim)
+    attention = build(cfg).encoder.sentence_encoder.layers[0].self_attn
+    _, weights = attention(query=x, key=x, value=x, need_weights=True, need_head_weights=True)
+    assert weights.shape == (HEADS, 1, 2048, 256)
 
 
 def test_quickstart_configs_build_the_small_models(data):

@@ -606,6 +606,12 @@ def test_imdb_reviews_and_fixed_valid_split(sample, tmp_path):
     assert [(s.name, len(s.labels)) for s in splits] == [("train", 4), ("valid", 2), ("test", 6)]
     assert sorted(splits[0].inputs[0] + splits[1].inputs[0]) == sorted(t for _, t in reviews["train"])
     assert imdb.imdb_splits(reviews, 2, seed=1)[1].inputs == splits[1].inputs  # fixed
+    # fixed subsets, half of each class, the valid split unchanged
+    subset = imdb.imdb_splits(reviews, 2, seed=1, train_size=2, test_size=4)
+    assert [sorted(s.labels) for s in subset] == [["neg", "pos"], sorted(splits[1].labels), ["neg", "neg", "pos", "pos"]]
+    assert subset[1].inputs == splits[1].inputs and set(subset[2].inputs[0]) < set(splits[2].inputs[0])
+    with pytest.raises(imdb.PrepError, match="--test-size 5 must be even"):
+        imdb.imdb_splits(reviews, 2, seed=1, test_size=5)
     sh(
         "imdb.sh",
         "--tarball",
@@ -1051,6 +1057,21 @@ def test_spm_retrain_with_other_parameters_or_corpus_stops(tmp_path, monkeypatch
     spm.train(corpus_txt, tmp_path / "other", 100, 0, "unigram", 1)
     assert (tmp_path / "other/made-from.json").exists()
     assert (tmp_path / "other/spm.model").read_bytes() == model
+
+
+def test_a_copied_input_folder_is_the_same_input_and_an_edited_one_is_not(tmp_path):
+    """A folder of books copied (or re-downloaded) with new mtimes is the same input: a study
+    must not stop on it; a changed byte is another input."""
+    import shutil
+
+    books = tmp_path / "books"
+    shutil.copytree(SAMPLE / "books", books)
+    copy = tmp_path / "copy"
+    shutil.copytree(books, copy, copy_function=shutil.copyfile)  # new mtimes
+    assert common._same(common.identity(books), common.identity(copy))
+    text = (copy / "blake-poems.txt").read_text()
+    (copy / "blake-poems.txt").write_text(text + "x")
+    assert not common._same(common.identity(books), common.identity(copy))
 
 
 def test_encode_refuses_its_input_as_output_and_checks_its_inputs(tmp_path):

@@ -125,14 +125,15 @@ def record_path(output, is_dir):
 
 def identity(path):
     """What tells an input apart from another version of it: the content hash of a small file;
-    size and mtime of a large one; names, sizes and mtimes of a folder's files."""
+    size and mtime of a large one; for a folder, the names and identities of its files (by
+    content, so that a copied or re-downloaded folder of small files is still the same input)."""
     path = Path(path)
     if path.is_dir():
         digest = hashlib.sha256()
         files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.endswith(RECORD))
         for p in files:
-            st = p.stat()
-            digest.update(f"{p.relative_to(path)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            file = _without_path(identity(p))
+            digest.update(f"{p.relative_to(path)}\0{json.dumps(file, sort_keys=True)}\n".encode())
         return {"path": str(path), "files": len(files), "digest": digest.hexdigest()}
     st = require_file(path).stat()
     if st.st_size <= HASH_LIMIT:

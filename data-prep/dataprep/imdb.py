@@ -3,6 +3,8 @@
 Reads the reviews straight from the tarball (aclImdb/{train,test}/{pos,neg}/<id>_<stars>.txt;
 train/unsup is not labelled and is left out), replaces the <br /> tags by spaces, holds out
 a fixed random valid set from train (--valid-size reviews, --seed) and keeps test as test.
+Every review is kept whole: truncating to a model's length is the finetuning task's choice.
+--train-size and --test-size keep fixed subsets, half of each class (for studies on a CPU).
 Classes: neg = 0, pos = 1.
 """
 
@@ -59,14 +61,28 @@ def read_reviews(tarball):
     return {split: [(label, text) for label, _, text in sorted(reviews)] for split, reviews in found.items()}
 
 
-def imdb_splits(reviews, valid_size, seed):
+def imdb_splits(reviews, valid_size, seed, train_size=None, test_size=None):
     train = list(reviews["train"])
     if not 0 < valid_size < len(train):
         raise PrepError(
             f"--valid-size {valid_size} must be between 1 and {len(train) - 1} (the number of train reviews - 1)"
         )
     random.Random(seed).shuffle(train)
-    return [_split("train", train[valid_size:]), _split("valid", train[:valid_size]), _split("test", reviews["test"])]
+    train, valid = stratified(train[valid_size:], train_size, seed, "--train-size"), train[:valid_size]
+    test = stratified(reviews["test"], test_size, seed, "--test-size")
+    return [_split("train", train), _split("valid", valid), _split("test", test)]
+
+
+def stratified(reviews, size, seed, flag):
+    """``size`` of ``reviews`` (all if None), half of each class, drawn with ``seed``, in their order."""
+    if size is None:
+        return reviews
+    by_class = [[i for i, r in enumerate(reviews) if r[0] == label] for label in CLASSES]
+    if size < 2 or size % 2 or size // 2 > min(map(len, by_class)):
+        raise PrepError(f"{flag} {size} must be even, >= 2 and at most twice the smaller class ({min(map(len, by_class))})")
+    rng = random.Random(seed)
+    kept = sorted(i for indices in by_class for i in rng.sample(indices, size // 2))
+    return [reviews[i] for i in kept]
 
 
 def _split(name, reviews):
@@ -86,6 +102,8 @@ def main():
     p.add_argument("--srcdict", required=True, type=Path, help="the pretraining dict.txt")
     p.add_argument("--destdir", required=True, type=Path, help="writes DESTDIR/IMDB-bin")
     p.add_argument("--valid-size", type=int, default=2500, help="train reviews held out as valid")
+    p.add_argument("--train-size", type=int, help="keep this many train reviews, half of each class (default: all)")
+    p.add_argument("--test-size", type=int, help="keep this many test reviews, half of each class (default: all)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--workers", type=int, default=default_workers())
     args = p.parse_args()
@@ -103,12 +121,14 @@ def main():
         tarball_url=source if url else None,
         valid_size=args.valid_size,
         seed=args.seed,
+        # only when set: the records of whole-set outputs stay as they were
+        **{k: v for k, v in (("train_size", args.train_size), ("test_size", args.test_size)) if v is not None},
     )
     dest = args.destdir / "IMDB-bin"
     if recipe.done(dest):
         return
     tarball = local_or_download(source, args.download_dir)
-    splits = imdb_splits(read_reviews(tarball), args.valid_size, args.seed)
+    splits = imdb_splits(read_reviews(tarball), args.valid_size, args.seed, args.train_size, args.test_size)
     write_task(dest, splits, args.spm_model, args.srcdict, CLASSES, args.workers, recipe)
 
 

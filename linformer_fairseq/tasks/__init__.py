@@ -1,0 +1,1 @@
+from . import long_sentence_prediction  # noqa: F401  (registers the task)

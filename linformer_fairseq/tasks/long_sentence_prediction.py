@@ -1,0 +1,100 @@
+"""Sentence prediction on documents that may be longer than the model: fairseq's
+``sentence_prediction`` with the truncations that users of RoBERTa apply to long documents
+(head, tail, head+tail: Sun et al. 2019, "How to Fine-Tune BERT for Text Classification?",
+found the first 128 and last 382 tokens best on IMDB at 512), and no silent loss of a document
+when truncation is off.
+
+fairseq's own ``--shorten-method truncate`` keeps the first max_positions tokens, dropping the
+final ``</s>``; without it, fairseq-train skips training documents longer than the model with
+only a count in its log. Here every truncation keeps ``<s>`` (--init-token) and ``</s>`` where
+fairseq puts them, and ``--truncation none`` stops on the first document that does not fit.
+"""
+
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from fairseq.data import BaseWrapperDataset
+from fairseq.dataclass import ChoiceEnum
+from fairseq.tasks import register_task
+from fairseq.tasks.sentence_prediction import SentencePredictionConfig, SentencePredictionTask
+
+TRUNCATIONS = ChoiceEnum(["none", "head", "tail", "head_tail"])
+
+
+@dataclass
+class LongSentencePredictionConfig(SentencePredictionConfig):
+    truncation: TRUNCATIONS = field(
+        default="none",
+        metadata={
+            "help": "how a document longer than max_positions is cut: head keeps its first tokens, "
+            "tail its last, head_tail the first --truncation-head-tokens and the rest from the end; "
+            "none stops with an error naming the document and both lengths"
+        },
+    )
+    truncation_head_tokens: int = field(
+        default=128,
+        metadata={"help": "head_tail: tokens kept from the start after <s> (at most max_positions - 2)"},
+    )
+
+
+class TruncatedDataset(BaseWrapperDataset):
+    """Items of at most ``length`` tokens: the first ``keep_first`` tokens (``<s>``) and the
+    last (``</s>``) stay, and the tokens between are cut as ``mode`` says."""
+
+    def __init__(self, dataset, length: int, mode: str, head: int, keep_first: int):
+        super().__init__(dataset)
+        body = length - keep_first - 1
+        assert body > 0, f"max_positions {length} leaves no room for text between the special tokens"
+        self.length, self.keep_first = length, keep_first
+        self.head = {"head": body, "tail": 0, "head_tail": min(head, body)}[mode]
+        self.tail = body - self.head
+
+    def __getitem__(self, index):
+        item = self.dataset[index]
+        if item.numel() <= self.length:
+            return item
+        end = item.numel() - 1 - self.tail  # the tail's first token; the last token is </s>
+        return torch.cat([item[: self.keep_first + self.head], item[end:]])
+
+    @property
+    def sizes(self):
+        return np.minimum(self.dataset.sizes, self.length)
+
+
+@register_task("long_sentence_prediction", dataclass=LongSentencePredictionConfig)
+class LongSentencePredictionTask(SentencePredictionTask):
+    """``sentence_prediction`` whose inputs are cut by ``--truncation`` (or checked to fit)."""
+
+    def load_dataset(self, split, combine=False, **kwargs):
+        assert self.cfg.shorten_method == "none", (
+            f"long_sentence_prediction cuts documents by --truncation; got --shorten-method "
+            f"{self.cfg.shorten_method} as well"
+        )
+        # The parent builds <s> + input (+ input1) and then calls maybe_shorten_dataset, the one
+        # place a length limit applies; taking that name over for the call keeps the rest of its
+        # pipeline (padding, labels, regression targets) as fairseq has it, unforked.
+        parent = sys.modules[SentencePredictionTask.__module__]
+        shorten = parent.maybe_shorten_dataset
+        parent.maybe_shorten_dataset = lambda dataset, *_: self.fit(dataset, split)
+        try:
+            return super().load_dataset(split, combine, **kwargs)
+        finally:
+            parent.maybe_shorten_dataset = shorten
+
+    def fit(self, dataset, split):
+        n = self.max_positions()
+        if self.cfg.truncation != "none":
+            keep_first = int(self.cfg.init_token is not None)
+            return TruncatedDataset(dataset, n, self.cfg.truncation, self.cfg.truncation_head_tokens, keep_first)
+        longest = int(np.argmax(dataset.sizes)) if len(dataset) else 0
+        if len(dataset) and dataset.sizes[longest] > n:
+            count = int((dataset.sizes > n).sum())
+            raise ValueError(
+                f"{split}: document {longest} is {dataset.sizes[longest]} tokens long (with its special "
+                f"tokens), longer than max_positions {n}, and {count} document(s) in all are longer; "
+                f"choose --truncation head, tail or head_tail, or extend the model "
+                f"(scripts/extend_max_positions.py)"
+            )
+        return dataset

@@ -29,26 +29,22 @@ continued pretraining at n' (fairseq-train --restore-file OUT, which it runs). S
 docs/warm_start.md for measurements.
 """
 
-import argparse
-import copy
-import importlib.util
-import math
-from pathlib import Path
+import logging
 
-import torch
+# before fairseq's import, whose modules configure the root logger at DEBUG and log at import
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s | %(name)s | %(message)s")
 
+import argparse  # noqa: E402
+import copy  # noqa: E402
+import math  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-def _sibling(name):
-    """scripts/NAME.py, whose checkpoint and evaluation helpers this script shares."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+import torch  # noqa: E402
 
-
-convert = _sibling("convert_roberta_to_linformer")
-fail = convert.fail
-SequenceProjection = convert.SequenceProjection
+from linformer_fairseq.modules import SequenceProjection  # noqa: E402
+from linformer_fairseq.modules.linformer_attention import RESAMPLE  # noqa: E402
+from linformer_tools import checkpoints  # noqa: E402
+from linformer_tools.common import fail  # noqa: E402
 
 
 def periodic_positions(weight: torch.Tensor, offset: int, new_positions: int) -> torch.Tensor:
@@ -73,7 +69,7 @@ def extend_projection(old: SequenceProjection, new: SequenceProjection, method: 
     W = old.weight.detach()
     n, new_n = old.max_positions, new.max_positions
     if old.kind == "linear":
-        if method == "periodic":  # (n'/T)^p (n/n')^p = (n/T)^p: unchanged on T <= n tokens
+        if method == "periodic" and old.length_power != RESAMPLE:  # (n'/T)^p (n/n')^p = (n/T)^p: unchanged on T <= n
             return W[..., torch.arange(new_n) % n] * (n / new_n) ** old.length_power
         return stretch(W, new_n)
     # conv: a kernel as wide as its window n/k; periodic keeps the window, stretch widens it
@@ -119,33 +115,33 @@ def extended_namespace(ns, kind: str, new_n: int, dims):
 
 def extend(state, kind: str, args):
     """(extended model, its namespace, original model, n)."""
-    ns = convert.model_namespace(state)
+    ns = checkpoints.model_namespace(state)
     n = ns.max_positions
     if args.max_positions <= n:
         fail(f"--max-positions {args.max_positions} must be larger than the checkpoint's n={n}")
     if kind == "roberta" and args.compressed_dim:
         fail("--compressed-dim applies to Linformer checkpoints; a RoBERTa has no projections")
-    vocab = convert.vocab_size(state)
-    old = convert.build_model(ns, vocab)
-    missing = convert.load_weights(old, state["model"])
+    vocab = checkpoints.vocab_size(state)
+    old = checkpoints.build_model(ns, vocab)
+    missing = checkpoints.load_weights(old, state["model"])
     if missing:
         fail(f"the checkpoint lacks weights of its own model: {', '.join(missing[:5])}")
     dims = None
     if kind == "linformer":
         dims = new_compressed_dims(old, n, args.max_positions, args.projections, args.compressed_dim)
     new_ns = extended_namespace(ns, kind, args.max_positions, dims)
-    new = convert.build_model(new_ns, vocab)
+    new = checkpoints.build_model(new_ns, vocab)
 
     weights = old.state_dict()
     positions = old.encoder.sentence_encoder.embed_positions
-    weights[convert.POSITIONS_KEY] = periodic_positions(
+    weights[checkpoints.POSITIONS_KEY] = periodic_positions(
         positions.weight.detach(), positions.padding_idx + 1, args.max_positions
     )
     new_modules = dict(new.named_modules(remove_duplicate=False))
     for name, module in old.named_modules(remove_duplicate=False):  # a layerwise E under each of its names
         if isinstance(module, SequenceProjection) and module.weight is not None:
             weights[f"{name}.weight"] = extend_projection(module, new_modules[name], args.projections)
-    missing = convert.load_weights(new, weights)  # registers the classification heads too
+    missing = checkpoints.load_weights(new, weights)  # registers the classification heads too
     if missing:  # a layout this script does not know
         fail(f"cannot map the weights onto the extended model: missing {', '.join(missing[:5])}")
     return new, new_ns, old, n
@@ -170,11 +166,11 @@ def parse_args(argv=None):
     )
     parser.add_argument("--seed", type=int, default=1, help="random seed of the continuation (default: 1)")
     parser.add_argument("--report-json", help="also write the losses and the continuation command to this JSON file")
-    convert.add_continuation_args(parser)
+    checkpoints.add_continuation_args(parser)
     args = parser.parse_args(argv)
     if args.max_positions < 1 or args.compressed_dim < 0:
         parser.error("--max-positions must be >= 1 and --compressed-dim >= 0")
-    convert.check_continuation_args(parser, args)
+    checkpoints.check_continuation_args(parser, args)
     if Path(args.output).resolve() == Path(args.checkpoint).resolve():
         parser.error("the output would overwrite the input checkpoint")
     return args
@@ -182,28 +178,30 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    state = convert.read_checkpoint(args.checkpoint)
-    kind = convert.model_kind(state, args.checkpoint)
+    state = checkpoints.read_checkpoint(args.checkpoint)
+    kind = checkpoints.model_kind(state, args.checkpoint)
     if args.data:
-        convert.check_data(args.data, args.split, convert.vocab_size(state))
+        checkpoints.check_data(args.data, args.split, checkpoints.vocab_size(state))
     model, ns, old, n = extend(state, kind, args)
     linformer = kind == "linformer"
-    args.sample_break_mode = args.sample_break_mode or convert.break_mode(state)
+    args.sample_break_mode = args.sample_break_mode or checkpoints.break_mode(state)
     note = {"from": str(args.checkpoint), "extended_from": n, "projections": args.projections if linformer else None}
-    convert.write_checkpoint(state, ns, model, args.output, note, max_positions=(n, args.max_positions))
+    checkpoints.write_checkpoint(state, ns, model, args.output, note, max_positions=(n, args.max_positions))
     how = f", k={ns.layer_compressed_dims or ns.compressed_dim}; projections {args.projections}" if linformer else ""
     print(f"wrote {args.output}: {kind} at n'={args.max_positions} (from n={n}{how}); positions copied periodically")
 
     rows = {}
     if args.data:
         rest = (args.max_eval_batches, args.eval_seeds, args.sample_break_mode)
-        rows[f"original at n={n}"] = convert.masked_lm_loss(old, args.data, args.split, n, args.eval_batch_size, *rest)
+        rows[f"original at n={n}"] = checkpoints.masked_lm_loss(
+            old, args.data, args.split, n, args.eval_batch_size, *rest
+        )
         # the same text in blocks n'/n times longer: fewer blocks a batch, the same tokens
         batch = max(1, math.ceil(args.eval_batch_size * n / args.max_positions))
-        rows[f"extended at n'={args.max_positions}"] = convert.masked_lm_loss(
+        rows[f"extended at n'={args.max_positions}"] = checkpoints.masked_lm_loss(
             model, args.data, args.split, args.max_positions, batch, *rest
         )
-    convert.report_and_continue(args, ns, Path(args.output), rows)
+    checkpoints.report_and_continue(args, ns, Path(args.output), rows)
 
 
 if __name__ == "__main__":

@@ -17,30 +17,29 @@ checkpoint_last.pt):
 import argparse
 import json
 import math
-import os
 import random
 import re
-import statistics
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from linformer_tools import measure
-from linformer_tools.common import PLUGIN_DIR, REPO, atomic, fail, write_text
+from linformer_tools import fairseq_train
+from linformer_tools.common import REPO, atomic, fail, write_text
 from linformer_tools.logs import by_update, records
+from linformer_tools.study import context_losses, load, log, mean_sd, sh, update_cost
 
 DATA_PREP = REPO / "data-prep"
 
 # The model, n and the pretraining recipe of each study size; --batch, --budget, --lr,
-# --vocab-size and --pre-ln override the recipe. "context" is the scale at which the models use
-# context (docs/quality.md: the recipe search); "small" the 800-update small-budget reading.
+# --vocab-size, --dropout, --mask-prob and --pre-ln override the recipe. "context" is the scale
+# at which the models use context (docs/quality.md: the recipe search); "small" the 800-update
+# small-budget reading.
 SIZES = {
     "context": dict(layers=4, dim=256, ffn=1024, heads=4, n=256, batch=16, vocab=2000, lr=1e-3, budget=3000),
     "small": dict(layers=4, dim=256, ffn=1024, heads=4, n=256, batch=8, vocab=8000, lr=5e-4, budget=800),
     "tiny": dict(layers=2, dim=32, ffn=64, heads=4, n=64, batch=8, vocab=1000, lr=5e-3, budget=16),
 }
+RECIPE_DEFAULTS = dict(dropout=0.1, mask_prob=0.15)
 # GLUE folder -> (the metric fairseq logs for it, criterion flags, train.tsv starts with a header)
 TASKS = {"SST-2": ("accuracy", [], True), "CoLA": ("mcc", ["--report-mcc"], False)}
 
@@ -93,29 +92,6 @@ def run_specs(n):
 
 
 CORE = 10
-
-
-def log(msg):
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def sh(cmd, logfile=None, threads=None):
-    """Run a command; its output goes to logfile (kept on failure) or to ours."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHON=sys.executable)  # data-prep wrappers run $PYTHON
-    if threads:
-        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    cmd = [str(c) for c in cmd]
-    if logfile is None:
-        if subprocess.run(cmd, env=env).returncode:
-            fail(f"{' '.join(cmd[:3])} ... failed")
-        return
-    partial = Path(str(logfile) + ".partial")
-    with open(partial, "a") as out:  # a resumed run adds to what it logged before the kill
-        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
-    if code:
-        tail = "".join(partial.read_text().splitlines(keepends=True)[-15:])
-        fail(f"{cmd[2] if len(cmd) > 2 else cmd[0]} failed (exit {code}); see {partial}:\n{tail}")
-    partial.rename(logfile)  # the final name marks the step done
 
 
 # ------------------------------------------------------------------------------- data
@@ -193,31 +169,10 @@ def prepare_data(args, work):
 def size_flags(s):
     flags = ["--encoder-layers", s["layers"], "--encoder-embed-dim", s["dim"], "--encoder-ffn-embed-dim", s["ffn"]]
     flags += ["--encoder-attention-heads", s["heads"], "--max-positions", s["n"]]
-    flags += ["--dropout", 0.1, "--attention-dropout", 0.1]
     return flags + (["--encoder-normalize-before"] if s["pre_ln"] else [])
 
 
-COMMON = [
-    "--user-dir",
-    PLUGIN_DIR,
-    "--optimizer",
-    "adam",
-    "--adam-betas",
-    "(0.9,0.98)",
-    "--adam-eps",
-    "1e-6",
-    "--weight-decay",
-    "0.01",
-    "--clip-norm",
-    "1.0",
-    "--lr-scheduler",
-    "polynomial_decay",
-    "--num-workers",
-    "0",
-    "--log-format",
-    "simple",
-    "--cpu",
-]
+COMMON = [*fairseq_train.shared_flags(cpu=True), "--clip-norm", "1.0"]
 
 
 def pretrain(args, paths, model_flags, extra_flags, out):
@@ -226,12 +181,13 @@ def pretrain(args, paths, model_flags, extra_flags, out):
     sh(
         [sys.executable, "-m", "fairseq_cli.train", paths["data_bin"], *model_flags, *size_flags(s), *COMMON]
         + ["--task", "masked_lm", "--criterion", "masked_lm", "--tokens-per-sample", s["n"]]
+        + ["--dropout", s["dropout"], "--attention-dropout", s["dropout"], "--mask-prob", s["mask_prob"]]
         + ["--sample-break-mode", "none", "--batch-size", s["batch"], "--seed", 1, "--lr", s["lr"]]
         + ["--warmup-updates", max(1, updates // 10), "--total-num-update", updates, "--max-update", updates]
         # --max-valid-steps stops validation early; with fairseq's prefetch thread on, the
         # process then aborts at exit ("terminate called without an active exception")
         + ["--validate-interval-updates", every, "--batch-size-valid", 32, "--max-valid-steps", args.valid_batches]
-        + ["--data-buffer-size", 0, "--save-interval-updates", every, "--keep-interval-updates", 1]
+        + ["--save-interval-updates", every, "--keep-interval-updates", 1]
         + ["--no-epoch-checkpoints", "--log-interval", max(1, updates // 40), "--save-dir", out / "checkpoints"]
         + extra_flags,  # last, so that a run's own --seed or break mode wins
         out / "pretrain.log",
@@ -249,7 +205,18 @@ def finetune(args, paths, task, model_flags, out, seed):
         + ["--finetune-from-model", out / "checkpoints" / "checkpoint_last.pt"]
         + ["--task", "sentence_prediction", "--criterion", "sentence_prediction", *criterion_flags]
         + ["--num-classes", 2, "--init-token", 0, "--separator-token", 2, "--shorten-method", "truncate"]
-        + ["--batch-size", 32, "--lr", args.finetune_lr, "--warmup-updates", max(1, total // 16)]
+        + [
+            "--dropout",
+            0.1,
+            "--attention-dropout",
+            0.1,
+            "--batch-size",
+            32,
+            "--lr",
+            args.finetune_lr,
+            "--warmup-updates",
+            max(1, total // 16),
+        ]
         + ["--total-num-update", total, "--max-epoch", args.finetune_epochs, "--seed", seed, "--no-save"]
         + ["--log-interval", max(1, updates_per_epoch // 2), "--best-checkpoint-metric", metric]
         + ["--maximize-best-checkpoint-metric"],
@@ -263,64 +230,12 @@ def glue_rows(args, task):
     return rows[1:] if TASKS[task][2] else rows
 
 
-def load(checkpoint, data_bin):
-    import torch
-    from fairseq import checkpoint_utils
-
-    import linformer_fairseq  # noqa: F401  (registers the model)
-
-    torch.manual_seed(0)
-    models, _, task = checkpoint_utils.load_model_ensemble_and_task(
-        [str(checkpoint)], arg_overrides={"data": data_bin.split(":")[0]}
-    )
-    return models[0].eval(), task
-
-
 def short_input_losses(args, paths, out):
     """Masked-LM loss (bits/token) on the same masked tokens of the validation blocks, read
     with the whole n-token block as context and with the block cut into pieces of T tokens."""
-    import torch
-
     n = args.shape["n"]
     model, task = load(out / "checkpoints" / "checkpoint_last.pt", paths["data_bin"])
-    d = task.source_dictionary
-    stream = torch.from_numpy(_valid_tokens(task))
-    body = n - 1  # every piece is <s> + text, as in pretraining
-    blocks = stream[: len(stream) // body * body].view(-1, body)[: args.eval_blocks]
-    g = torch.Generator().manual_seed(0)
-    masked = torch.rand(blocks.shape, generator=g) < 0.15
-    inputs = blocks.masked_fill(masked, d.index("<mask>"))
-    lengths = (n // 16, n // 8, n // 4, n)
-    # score only masked tokens that every cut keeps, so every length is scored on the same tokens
-    scored = min(body // (T - 1) * (T - 1) for T in lengths)
-    masked &= torch.arange(body) < scored
-    results = {}
-    for T in lengths:
-        piece = T - 1
-        usable = body // piece * piece
-        x = inputs[:, :usable].reshape(-1, piece)
-        y, m = blocks[:, :usable].reshape(-1, piece), masked[:, :usable].reshape(-1, piece)
-        x = torch.cat([torch.full((x.size(0), 1), d.bos()), x], 1)
-        total, count = 0.0, 0
-        with torch.no_grad():
-            for i in range(0, x.size(0), 64):
-                logits, _ = model(x[i : i + 64])
-                mm = m[i : i + 64]
-                lp = torch.log_softmax(logits[:, 1:][mm].float(), -1)
-                total -= lp.gather(1, y[i : i + 64][mm].unsqueeze(1)).sum().item()
-                count += int(mm.sum())
-        results[T] = total / count / math.log(2)
-    return results
-
-
-def _valid_tokens(task):
-    """The validation split as one token stream (its lines concatenated, as break mode none reads it)."""
-    import numpy as np
-    from fairseq.data import data_utils
-
-    path = os.path.join(task.cfg.data.split(":")[0], "valid")
-    ds = data_utils.load_indexed_dataset(path, task.source_dictionary)
-    return np.concatenate([ds[i].numpy() for i in range(len(ds))])
+    return context_losses(model, task, n, (n // 16, n // 8, n // 4, n), args.eval_blocks)
 
 
 def share_pretraining(base, out, length_norm):
@@ -379,28 +294,9 @@ def dev_scores(out, task):
 
 
 def time_updates(args, paths, out):
-    """Seconds (median) and peak memory of a pretraining update at the study's batch shape, on
-    masked random tokens, as the benchmark measures them (linformer_tools.measure)."""
-    import torch
-
-    s = args.shape
+    """Seconds (median) and peak memory of a pretraining update at the study's batch shape."""
     model, task = load(out / "checkpoints" / "checkpoint_last.pt", paths["data_bin"])
-    targets = torch.randint(4, len(task.source_dictionary) - 1, (s["batch"], s["n"]))
-    masked = torch.rand(targets.shape) < 0.15
-    step = measure.training_step(model, targets.masked_fill(masked, task.mask_idx), targets, masked)
-    seconds = measure.seconds_per_step(step, min_run_time=10)
-    return {
-        "seconds_per_update": statistics.median(seconds),
-        "peak_mb": measure.peak_bytes(step) / 2**20,
-        "parameters": sum(p.numel() for p in model.parameters()),
-    }
-
-
-def mean_sd(values, digits=1):
-    if not values:
-        return "-"
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f} ({', '.join(f'{v:.{digits}f}' for v in values)})"
+    return update_cost(model, task, args.shape["batch"], args.shape["n"])
 
 
 def report(args, specs):
@@ -512,6 +408,12 @@ def main():
     arg("--budget", type=int, help="pretraining updates of every run (default: the size's)")
     arg("--lr", type=float, help="pretraining peak learning rate (default: the size's)")
     arg("--vocab-size", type=int, help="sentencepiece vocabulary (default: the size's)")
+    arg("--dropout", type=float, help=f"dropout and attention dropout (default: {RECIPE_DEFAULTS['dropout']})")
+    arg(
+        "--mask-prob",
+        type=float,
+        help=f"share of tokens masked in pretraining (default: {RECIPE_DEFAULTS['mask_prob']})",
+    )
     arg("--pre-ln", action="store_true", help="layer norm before each block (--encoder-normalize-before) in every run")
     arg("--train-rows", type=int, default=4000, help="each task's fixed training subset, drawn with seed 0")
     arg("--finetune-epochs", type=int, default=3)
@@ -538,8 +440,13 @@ def main():
         p.error("--seeds must be >= 0 and --valid-batches >= 1")
 
     # the recipe: the size's, with what the flags override
-    size = SIZES[args.size]
+    size = RECIPE_DEFAULTS | SIZES[args.size]
+    if not 0 <= (args.dropout or 0) < 1 or not 0 < (args.mask_prob or 0.15) < 1:
+        p.error("--dropout must be in [0, 1) and --mask-prob in (0, 1)")
     args.shape = dict(size, batch=args.batch or size["batch"], lr=args.lr or size["lr"], pre_ln=args.pre_ln)
+    args.shape.update(
+        dropout=size["dropout"] if args.dropout is None else args.dropout, mask_prob=args.mask_prob or size["mask_prob"]
+    )
     args.budget, args.vocab_size = args.budget or size["budget"], args.vocab_size or size["vocab"]
     args.shape.update(budget=args.budget, vocab=args.vocab_size)
     specs = run_specs(args.shape["n"])

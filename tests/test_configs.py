@@ -116,7 +116,10 @@ def test_finetuning_config_builds_its_model(name, data):
     assert cfg.checkpoint.save_dir == f"checkpoints/finetune/{name}/seed1"
     assert cfg.checkpoint.reset_optimizer and cfg.checkpoint.reset_dataloader and cfg.checkpoint.reset_meters
     assert cfg.task.max_positions == cfg.model.max_positions == 512
-    assert (cfg.task._name, cfg.task.truncation) == ("long_sentence_prediction", "head_tail" if name == "imdb" else "head")
+    assert (cfg.task._name, cfg.task.truncation) == (
+        "long_sentence_prediction",
+        "head_tail" if name == "imdb" else "head",
+    )
     metric = {"cola": "mcc", "sts_b": "pearson"}.get(name, "accuracy")
     assert cfg.checkpoint.best_checkpoint_metric == metric and cfg.checkpoint.maximize_best_checkpoint_metric
     classes = {"mnli": 3, "sts_b": 1}.get(name, 2)
@@ -153,7 +156,10 @@ def test_extend_config_continues_a_checkpoint_at_its_length(data):
     c = cfg.checkpoint
     assert c.restore_file == "x.pt" and c.reset_optimizer and c.reset_lr_scheduler and c.reset_dataloader
     assert cfg.task.tokens_per_sample == cfg.model.max_positions == 2048 and cfg.task.sample_break_mode == "none"
-    assert cfg.dataset.batch_size * cfg.optimization.update_freq[0] * cfg.distributed_training.distributed_world_size == GLOBAL_BATCH
+    assert (
+        cfg.dataset.batch_size * cfg.optimization.update_freq[0] * cfg.distributed_training.distributed_world_size
+        == GLOBAL_BATCH
+    )
     x = torch.randn(2048, 1, cfg.model.encoder_embed_dim)
     attention = build(cfg).encoder.sentence_encoder.layers[0].self_attn
     _, weights = attention(query=x, key=x, value=x, need_weights=True, need_head_weights=True)

@@ -608,7 +608,11 @@ def test_imdb_reviews_and_fixed_valid_split(sample, tmp_path):
     assert imdb.imdb_splits(reviews, 2, seed=1)[1].inputs == splits[1].inputs  # fixed
     # fixed subsets, half of each class, the valid split unchanged
     subset = imdb.imdb_splits(reviews, 2, seed=1, train_size=2, test_size=4)
-    assert [sorted(s.labels) for s in subset] == [["neg", "pos"], sorted(splits[1].labels), ["neg", "neg", "pos", "pos"]]
+    assert [sorted(s.labels) for s in subset] == [
+        ["neg", "pos"],
+        sorted(splits[1].labels),
+        ["neg", "neg", "pos", "pos"],
+    ]
     assert subset[1].inputs == splits[1].inputs and set(subset[2].inputs[0]) < set(splits[2].inputs[0])
     with pytest.raises(imdb.PrepError, match="--test-size 5 must be even"):
         imdb.imdb_splits(reviews, 2, seed=1, test_size=5)

@@ -1,7 +1,7 @@
-"""Long documents (README: "Long documents"): the truncation task on real IMDB reviews, and the
-documented path from a model pretrained at n to predictions on whole reviews at n' = 4n:
-extend_max_positions.py -> pretrain.sh --from (configs/pretraining/extend.yaml) ->
-finetune.sh imdb -> the hub's predict. Data: the bundled sample (data/sample/imdb: 48 real
+"""Long documents (README: "Long documents"): the documented path from a model pretrained at n
+to predictions on whole reviews at n' = 4n: extend_max_positions.py -> pretrain.sh --from
+(configs/pretraining/extend.yaml) -> finetune.sh imdb -> the hub's predict (the truncation
+task itself: tests/test_truncation.py). Data: the bundled sample (data/sample/imdb: 48 real
 reviews in the aclImdb layout) through data-prep, as a user's would go."""
 
 import subprocess
@@ -10,21 +10,22 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from conftest import ENV, SCRIPTS
+
 from linformer_tools.common import REPO, SAMPLE
 from linformer_tools.logs import records
 
 DP = REPO / "data-prep"
 N, LONG_N = 64, 256  # the long path: pretrained at n = 64, extended to 256
-CUT = 128  # the truncation tests' max_positions: some sample reviews fit, most do not
 
 
 def run(cmd, cwd=None, timeout=900):
     """Run a command with this Python as $PYTHON (the launchers and data-prep wrappers run it)."""
     cmd = [str(c) for c in cmd]
     proc = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return proc
 
 
@@ -42,23 +43,26 @@ def data(tmp_path_factory):
     prep("spm.sh", "train", "--corpus", out / "corpus/train.txt", "--out", out / "spm", "--vocab-size", 500)
     spm_model, srcdict = out / "spm/spm.model", out / "spm/dict.txt"
     texts = [out / "corpus/train.txt", out / "corpus/valid.txt"]
-    prep("spm.sh", "encode", "--model", spm_model, "--inputs", *texts, "--outputs", out / "train.spm", out / "valid.spm")
+    prep(
+        "spm.sh", "encode", "--model", spm_model, "--inputs", *texts, "--outputs", out / "train.spm", out / "valid.spm"
+    )
     binarize = ["--train", out / "train.spm", "--valid", out / "valid.spm", "--srcdict", srcdict]
     prep("binarize.sh", *binarize, "--destdir", out / "bin", "--shards", 1)
     tarball = SAMPLE / "imdb/aclImdb_sample.tar.gz"
-    prep("imdb.sh", "--tarball", tarball, "--spm-model", spm_model, "--srcdict", srcdict, "--destdir", out, "--valid-size", 8)
-    return out
-
-
-def task(data, max_positions, truncation, head=16):
-    from linformer_fairseq.tasks.long_sentence_prediction import LongSentencePredictionConfig, LongSentencePredictionTask
-
-    cfg = LongSentencePredictionConfig(
-        data=str(data / "IMDB-bin"), num_classes=2, init_token=0, separator_token=2, max_positions=max_positions,
-        truncation=truncation, truncation_head_tokens=head, regression_target=False,
-        classification_head_name="sentence_classification_head", seed=1,
+    prep(
+        "imdb.sh",
+        "--tarball",
+        tarball,
+        "--spm-model",
+        spm_model,
+        "--srcdict",
+        srcdict,
+        "--destdir",
+        out,
+        "--valid-size",
+        8,
     )
-    return LongSentencePredictionTask.setup_task(cfg)
+    return out
 
 
 def documents(data):
@@ -70,37 +74,6 @@ def documents(data):
     return [torch.cat([torch.tensor([0]), reviews[i]]) for i in range(len(reviews))]
 
 
-@pytest.mark.parametrize("mode", ["head", "tail", "head_tail"])
-def test_each_truncation_keeps_exactly_the_tokens_it_names(data, mode):
-    docs = documents(data)
-    assert sum(len(d) > CUT for d in docs) >= 10 and sum(len(d) <= CUT for d in docs) >= 1  # both kinds, real reviews
-    t = task(data, CUT, mode)
-    t.load_dataset("train")
-    dataset = t.datasets["train"]
-    for i, doc in enumerate(docs):
-        got = dataset[i]["net_input.src_tokens"]
-        if len(doc) <= CUT:
-            assert torch.equal(got, doc)  # fits: untouched
-            continue
-        assert len(got) == CUT and got[0] == 0 and got[-1] == 2  # <s> ... </s>, at most max_positions
-        head = {"head": CUT - 2, "tail": 0, "head_tail": 16}[mode]
-        tail = CUT - 2 - head
-        assert torch.equal(got[1 : 1 + head], doc[1 : 1 + head])  # the first `head` words
-        assert torch.equal(got[1 + head : -1], doc[len(doc) - 1 - tail : -1])  # the last `tail` words
-    assert np.all(np.asarray(dataset.sizes) <= CUT)  # what batching and filtering read
-
-
-def test_a_document_longer_than_the_model_stops_the_run_when_truncation_is_off(data):
-    docs = documents(data)
-    longest = max(range(len(docs)), key=lambda i: len(docs[i]))
-    t = task(data, CUT, "none")
-    with pytest.raises(ValueError, match=rf"train: document {longest} is {len(docs[longest])} tokens long .* max_positions {CUT}"):
-        t.load_dataset("train")
-    t = task(data, max(map(len, docs)), "none")  # a model long enough takes every review whole
-    t.load_dataset("train")
-    assert all(torch.equal(t.datasets["train"][i]["net_input.src_tokens"], d) for i, d in enumerate(docs))
-
-
 def test_the_long_path_from_n_to_whole_reviews_at_4n(data, tmp_path):
     """Pretrain at n = 64, extend to 256, continue pretraining at 256 through pretrain.sh --from,
     finetune on IMDB at 256, and predict a 200-token review alone and inside a padded batch."""
@@ -108,16 +81,23 @@ def test_the_long_path_from_n_to_whole_reviews_at_4n(data, tmp_path):
     tiny += ["model.encoder_attention_heads=2", "common.log_interval=1", "dataset.num_workers=0"]
     cpu = ["--cpu", "--batch-size", "8", "--global-batch", "8"]
     pretrained = tmp_path / "pretrain"
-    run([SCRIPTS / "pretrain.sh", *cpu, "--save-dir", pretrained, "quickstart", data / "bin/shard0", *tiny]
-        + [f"task.tokens_per_sample={N}", "model.compressed_dim=16", "optimization.max_update=20"])
+    run(
+        [SCRIPTS / "pretrain.sh", *cpu, "--save-dir", pretrained, "quickstart", data / "bin/shard0", *tiny]
+        + [f"task.tokens_per_sample={N}", "model.compressed_dim=16", "optimization.max_update=20"]
+    )
 
     extended = tmp_path / f"n{LONG_N}.pt"
-    run([sys.executable, SCRIPTS / "extend_max_positions.py", pretrained / "checkpoint_last.pt", extended]
-        + ["--max-positions", LONG_N])
+    run(
+        [sys.executable, SCRIPTS / "extend_max_positions.py", pretrained / "checkpoint_last.pt", extended]
+        + ["--max-positions", LONG_N]
+    )
 
     # continued pretraining: the model (n', k, sizes) is the checkpoint's; a fresh optimizer
-    out = run([SCRIPTS / "pretrain.sh", *cpu, "--from", extended, "extend", data / "bin/shard0"]
-              + ["optimization.max_update=4", "common.log_interval=1", "dataset.num_workers=0"], cwd=tmp_path).stdout
+    out = run(
+        [SCRIPTS / "pretrain.sh", *cpu, "--from", extended, "extend", data / "bin/shard0"]
+        + ["optimization.max_update=4", "common.log_interval=1", "dataset.num_workers=0"],
+        cwd=tmp_path,
+    ).stdout
     continued = tmp_path / "checkpoints/extend" / f"n{LONG_N}"
     assert f"save dir: {continued}" in out
     assert f"Loaded checkpoint {extended}" in (continued / "hydra_train.log").read_text()
@@ -129,18 +109,27 @@ def test_the_long_path_from_n_to_whole_reviews_at_4n(data, tmp_path):
 
     # finetuning at n': reviews up to 256 tokens whole, longer ones head + tail
     save = tmp_path / "imdb"
-    run([SCRIPTS / "finetune.sh", *cpu, "--data", data / "IMDB-bin", "--save-dir", save, "imdb"]
-        + [continued / "checkpoint_last.pt", "optimization.max_update=6", "lr_scheduler.warmup_updates=1"], cwd=tmp_path)
+    run(
+        [SCRIPTS / "finetune.sh", *cpu, "--data", data / "IMDB-bin", "--save-dir", save, "imdb"]
+        + [continued / "checkpoint_last.pt", "optimization.max_update=6", "lr_scheduler.warmup_updates=1"],
+        cwd=tmp_path,
+    )
     cfg = torch.load(save / "checkpoint_last.pt", map_location="cpu", weights_only=True)["cfg"]
     assert (cfg["task"]["_name"], cfg["task"]["truncation"], cfg["task"]["max_positions"]) == (
-        "long_sentence_prediction", "head_tail", LONG_N)
+        "long_sentence_prediction",
+        "head_tail",
+        LONG_N,
+    )
 
     from fairseq.data import data_utils
 
     from linformer_fairseq import LinformerRobertaModel
 
     hub = LinformerRobertaModel.from_pretrained(
-        str(save), "checkpoint_last.pt", str(data / "IMDB-bin"), bpe="sentencepiece",
+        str(save),
+        "checkpoint_last.pt",
+        str(data / "IMDB-bin"),
+        bpe="sentencepiece",
         sentencepiece_model=str(data / "spm/spm.model"),
     ).eval()
     reviews = documents(data)  # <s> review </s>, as the hub's encode gives them

@@ -1,6 +1,8 @@
-"""scripts/study_quality.sh end to end at tiny size on the bundled sample: data, pretraining,
-the short-input table, SST-2 and CoLA finetuning over seeds, timing and the report; resuming a
-finished study redoes nothing; another study's settings in the same folder are refused."""
+"""The studies end to end at tiny size on the bundled sample. scripts/study_quality.py: data,
+pretraining, the short-input table, SST-2 and CoLA finetuning over seeds, timing and the report;
+resuming a finished study redoes nothing; another study's settings in the same folder are
+refused. scripts/study_long_documents.py on its models and the bundled IMDB reviews: the
+extension, continued pretraining, truncated and whole-review finetuning, the report."""
 
 import json
 import subprocess
@@ -40,10 +42,19 @@ def study(out, *extra):
     ]
 
 
-def test_study_runs_end_to_end_and_resumes(tmp_path):
-    out = tmp_path / "study"
-    cmd = study(out, "--budget", "16", "--runs", "roberta", "linformer", "resample")
-    run(cmd, timeout=900)
+QUALITY_RUNS = ["--budget", "16", "--runs", "roberta", "linformer", "resample"]
+
+
+@pytest.fixture(scope="module")
+def quality_study(tmp_path_factory):
+    out = tmp_path_factory.mktemp("quality") / "study"
+    run(study(out, *QUALITY_RUNS), timeout=900)
+    return out
+
+
+def test_study_runs_end_to_end_and_resumes(quality_study):
+    out = quality_study
+    cmd = study(out, *QUALITY_RUNS)
 
     rows = {r["name"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
     assert set(rows) == {"roberta", "linformer", "resample"}
@@ -75,3 +86,30 @@ def test_study_runs_end_to_end_and_resumes(tmp_path):
 
     refused = subprocess.run(study(out, "--budget", "32", "--runs", "roberta"), capture_output=True, text=True)
     assert refused.returncode != 0 and "other settings" in refused.stderr, refused.stderr
+
+
+def test_long_document_study_on_the_quality_studys_models(quality_study, tmp_path):
+    out = tmp_path / "long"
+    cmd = [sys.executable, REPO / "scripts" / "study_long_documents.py", "--quality", quality_study, "--out", out]
+    cmd += ["--imdb", SAMPLE / "imdb" / "aclImdb_sample.tar.gz", "--train-size", 16, "--test-size", 8]
+    cmd += ["--valid-size", 4, "--epochs", 1, "--batch", 4, "--seeds", 2, "--factors", 2]
+    cmd += ["--continue-updates", 4, "--continue-tokens", 512, "--eval-blocks", 4]
+    cmd = [str(c) for c in cmd]
+    run(cmd, timeout=900)
+    results = json.loads((out / "results.json").read_text())
+    n = 64
+    expected = {f"{m}-{r}" for m in ("roberta", "linformer") for r in (f"n{n}-head", f"n{n}-head_tail", f"n{2 * n}")}
+    assert set(results) == expected
+    for name, r in results.items():
+        assert len(r["all"]) == 2 and all(0 <= a <= 100 for a in r["all"]), (name, r)
+        assert r["seconds_per_update"] > 0 and r["peak_mb"] > 0
+    # every test review is predicted once per seed, with its whole length recorded
+    rows = json.loads((out / "runs" / f"linformer-n{2 * n}" / "seed1" / "predictions.json").read_text())
+    assert len(rows) == 8 and sum(length > n for length, _, _ in rows) >= 4
+    assert not list((out / "runs").rglob("checkpoint*.pt"))  # finetuned checkpoints removed after predicting
+    losses = json.loads((out / "extended" / f"linformer-n{2 * n}" / "losses.json").read_text())
+    assert set(losses) == {"extended", "continued"} and set(losses["extended"]) == {str(n), str(2 * n)}
+    report = (out / "report.md").read_text()
+    assert all(f"| {name} |" in report for name in expected) and "longer than 64:" in report
+    again = run(cmd, timeout=300).stdout
+    assert "finetuning, seed" not in again and ": continued pretraining at" not in again, again[-2000:]

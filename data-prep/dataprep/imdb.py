@@ -79,7 +79,9 @@ def stratified(reviews, size, seed, flag):
         return reviews
     by_class = [[i for i, r in enumerate(reviews) if r[0] == label] for label in CLASSES]
     if size < 2 or size % 2 or size // 2 > min(map(len, by_class)):
-        raise PrepError(f"{flag} {size} must be even, >= 2 and at most twice the smaller class ({min(map(len, by_class))})")
+        raise PrepError(
+            f"{flag} {size} must be even, >= 2 and at most twice the smaller class ({min(map(len, by_class))})"
+        )
     rng = random.Random(seed)
     kept = sorted(i for indices in by_class for i in rng.sample(indices, size // 2))
     return [reviews[i] for i in kept]

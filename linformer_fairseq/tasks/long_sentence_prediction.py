@@ -34,8 +34,7 @@ class LongSentencePredictionConfig(SentencePredictionConfig):
         },
     )
     truncation_head_tokens: int = field(
-        default=128,
-        metadata={"help": "head_tail: tokens kept from the start after <s> (at most max_positions - 2)"},
+        default=128, metadata={"help": "head_tail: tokens kept from the start after <s> (at most max_positions - 2)"}
     )
 
 
@@ -47,8 +46,13 @@ class TruncatedDataset(BaseWrapperDataset):
         super().__init__(dataset)
         body = length - keep_first - 1
         assert body > 0, f"max_positions {length} leaves no room for text between the special tokens"
+        # h given, t = budget - h: an h outside the budget would silently turn into head truncation
+        assert mode != "head_tail" or 0 <= head <= body, (
+            f"--truncation-head-tokens {head}: head_tail keeps 0 to {body} tokens from the start at "
+            f"max_positions {length}"
+        )
         self.length, self.keep_first = length, keep_first
-        self.head = {"head": body, "tail": 0, "head_tail": min(head, body)}[mode]
+        self.head = {"head": body, "tail": 0, "head_tail": head}[mode]
         self.tail = body - self.head
 
     def __getitem__(self, index):

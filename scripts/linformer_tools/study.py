@@ -1,0 +1,122 @@
+"""What the studies share (scripts/study_quality.py, scripts/study_long_documents.py): running
+their steps resumably, loading a run's checkpoint, the masked-LM loss of the same tokens read
+with shorter contexts, and the cost of a training update."""
+
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import measure
+from .common import fail
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sh(cmd, logfile=None, threads=None):
+    """Run a command; its output goes to logfile (kept on failure) or to ours. A step is done
+    when its logfile exists: the output is written to LOGFILE.partial and renamed at the end."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHON=sys.executable)  # data-prep wrappers run $PYTHON
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    cmd = [str(c) for c in cmd]
+    if logfile is None:
+        if subprocess.run(cmd, env=env).returncode:
+            fail(f"{' '.join(cmd[:3])} ... failed")
+        return
+    partial = Path(str(logfile) + ".partial")
+    with open(partial, "a") as out:  # a resumed run adds to what it logged before the kill
+        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+    if code:
+        tail = "".join(partial.read_text().splitlines(keepends=True)[-15:])
+        what = " ".join(Path(c).name for c in cmd[:3] if not c.startswith("-"))  # python -m x, or a script
+        fail(f"{what} failed (exit {code}); see {partial}:\n{tail}")
+    partial.rename(logfile)  # the final name marks the step done
+
+
+def load(checkpoint, data):
+    """(model in eval mode, task) of a checkpoint, with its data read from ``data``."""
+    import torch
+    from fairseq import checkpoint_utils
+
+    import linformer_fairseq  # noqa: F401  (registers the model and the task)
+
+    torch.manual_seed(0)
+    models, _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [str(checkpoint)], arg_overrides={"data": str(data).split(":")[0]}
+    )
+    return models[0].eval(), task
+
+
+def token_stream(task, split="valid"):
+    """A masked-LM task's split as one token stream (its lines concatenated, as break mode none
+    reads it)."""
+    import numpy as np
+    from fairseq.data import data_utils
+
+    path = os.path.join(task.cfg.data.split(":")[0], split)
+    ds = data_utils.load_indexed_dataset(path, task.source_dictionary)
+    return np.concatenate([ds[i].numpy() for i in range(len(ds))])
+
+
+def context_losses(model, task, n, lengths, blocks):
+    """Masked-LM loss (bits/token) of the same masked tokens of ``blocks`` validation blocks of
+    n tokens, read with the whole block as context and with the block cut into pieces of T
+    tokens, for each T in ``lengths`` (every piece is <s> + text, as in pretraining)."""
+    import torch
+
+    d = task.source_dictionary
+    stream = torch.from_numpy(token_stream(task))
+    body = n - 1
+    blocks = stream[: len(stream) // body * body].view(-1, body)[:blocks]
+    g = torch.Generator().manual_seed(0)
+    masked = torch.rand(blocks.shape, generator=g) < 0.15
+    inputs = blocks.masked_fill(masked, d.index("<mask>"))
+    # score only masked tokens that every cut keeps, so every length is scored on the same tokens
+    scored = min(body // (T - 1) * (T - 1) for T in lengths)
+    masked &= torch.arange(body) < scored
+    results = {}
+    for T in lengths:
+        piece = T - 1
+        usable = body // piece * piece
+        x = inputs[:, :usable].reshape(-1, piece)
+        y, m = blocks[:, :usable].reshape(-1, piece), masked[:, :usable].reshape(-1, piece)
+        x = torch.cat([torch.full((x.size(0), 1), d.bos()), x], 1)
+        rows = max(1, 16384 // T)  # about the same number of tokens per forward at every T
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for i in range(0, x.size(0), rows):
+                logits, _ = model(x[i : i + rows])
+                mm = m[i : i + rows]
+                lp = torch.log_softmax(logits[:, 1:][mm].float(), -1)
+                total -= lp.gather(1, y[i : i + rows][mm].unsqueeze(1)).sum().item()
+                count += int(mm.sum())
+        results[T] = total / count / math.log(2)
+    return results
+
+
+def update_cost(model, task, batch, n, min_run_time=10):
+    """Seconds (median) and peak memory of a masked-LM training update of ``batch`` x n masked
+    random tokens, as the benchmark measures them (linformer_tools.measure)."""
+    import torch
+
+    targets = torch.randint(4, len(task.source_dictionary) - 1, (batch, n))
+    masked = torch.rand(targets.shape) < 0.15
+    step = measure.training_step(model, targets.masked_fill(masked, task.mask_idx), targets, masked)
+    return {
+        "seconds_per_update": statistics.median(measure.seconds_per_step(step, min_run_time=min_run_time)),
+        "peak_mb": measure.peak_bytes(step) / 2**20,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def mean_sd(values, digits=1):
+    if not values:
+        return "-"
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f} ({', '.join(f'{v:.{digits}f}' for v in values)})"

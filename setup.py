@@ -1,5 +1,7 @@
 from setuptools import find_packages, setup
 
+HF = ["transformers>=5.24", "tokenizers>=0.23.1", "safetensors>=0.8", "accelerate>=1.1"]
+
 setup(
     name="linformer-fairseq",
     version="0.1.0",
@@ -17,5 +19,10 @@ setup(
         "tensorboard",
         "wikiextractor>=3.1.0",  # data-prep; 3.0.x fails on Python 3.11
     ],
-    extras_require={"dev": ["pytest", "matplotlib", "ruff"]},
+    extras_require={
+        # scripts/export_hf.py and the models it writes (accelerate: transformers' Trainer); the
+        # plugin itself never imports them
+        "hf": HF,
+        "dev": ["pytest", "matplotlib", "ruff", *HF],
+    },
 )

@@ -397,19 +397,29 @@ class LinformerMultiheadAttention(nn.Module):
         v = v.view(rows, B, H, D).permute(1, 2, 0, 3)
         mask = kept.view(B, 1, 1, rows) if kept is not None else None
         dropout = self.dropout if self.training else 0.0
-
-        weights = None
-        if need_weights or need_head_weights:
-            scores = torch.matmul(q, k.transpose(-1, -2)) * (D**-0.5)
-            if mask is not None:
-                scores = scores.masked_fill(~mask, float("-inf"))
-            weights = torch.softmax(scores.float(), dim=-1).type_as(q)
-            out = torch.matmul(F.dropout(weights, dropout, self.training), v)
-            weights = weights.transpose(0, 1) if need_head_weights else weights.mean(dim=1)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        out, weights = attend(q, k, v, mask, dropout, need_weights, need_head_weights)
         out = out.permute(2, 0, 1, 3).reshape(T, B, C)
         return self.out_proj(out), weights
+
+
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float, need_weights=False, need_head_weights=False
+):
+    """Softmax attention of ``B x H x T x D`` queries over ``B x H x R x D`` keys and values (R
+    = k' projected rows, or T for full attention); mask: ``B x 1 x 1 x R``, True where a key may
+    be read, or None. Shared by the Linformer and the exported model's full attention (RoBERTa).
+
+    Returns ``B x H x T x D`` and, with ``need_weights``, the weights ``B x T x R`` averaged over
+    heads, or ``H x B x T x R`` with ``need_head_weights``.
+    """
+    if not (need_weights or need_head_weights):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout), None
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.size(-1) ** -0.5)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).type_as(q)
+    out = torch.matmul(F.dropout(weights, dropout, dropout > 0), v)
+    return out, weights.transpose(0, 1) if need_head_weights else weights.mean(dim=1)
 
 
 def projection(settings: LinformerSettings, k: int, groups: int = 1) -> SequenceProjection:

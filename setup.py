@@ -23,6 +23,6 @@ setup(
         # scripts/export_hf.py and the models it writes (accelerate: transformers' Trainer); the
         # plugin itself never imports them
         "hf": HF,
-        "dev": ["pytest", "matplotlib", "ruff", *HF],
+        "dev": ["pytest", "pytest-xdist", "matplotlib", "ruff", *HF],
     },
 )

@@ -173,8 +173,10 @@ launch() {
         cmd+=("distributed_training.distributed_port=$PORT")
     fi
     if ((WORLD > 1)); then
-        # every rank reads the checkpoint it resumes from: fairseq would otherwise send rank 0's
-        # copy to the others through torch.load(weights_only=True), which rejects its config
+        # every rank reads the checkpoint it resumes from. Without this, rank 0 sends its copy to
+        # the others through torch.load(weights_only=True), which rejects the placeholders fairseq
+        # leaves for tensors (fairseq.distributed.utils._TensorPlaceholder; tests/test_slurm.py's
+        # requeue test fails that way, 2026-11-25) even though the config types are allow-listed
         cmd+=(checkpoint.load_checkpoint_on_all_dp_ranks=true)
     fi
     cmd+=("${OVERRIDES[@]}")

@@ -225,7 +225,7 @@ def cost_of(args, name, checkpoint, reads):
     path = args.out / "timing" / f"{name}.json"
     if not path.exists():
         model, task = load(checkpoint, args.data_bin)
-        write_text(path, json.dumps(update_cost(model, task, args.batch, reads)))
+        write_text(path, json.dumps(update_cost(model, task, args.batch, reads, args.timing_seconds)))
     return json.loads(path.read_text())
 
 
@@ -251,11 +251,14 @@ def main():
     a("--eval-blocks", type=int, default=50, help="validation blocks of n' tokens for the loss table (default: 50)")
     a("--jobs", type=int, default=1, help="runs at once, each on --threads threads (default: 1)")
     a("--threads", type=int, default=0, help="threads per process, 0 for torch's default")
+    a("--timing-seconds", type=float, default=10, help="timed updates per model last at least this long (default: 10)")
     a("--report-only", action="store_true", help="only write the report of what has finished")
     args = p.parse_args()
     for name in ("train_size", "test_size", "valid_size", "epochs", "batch", "seeds", "continue_updates", "jobs"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.timing_seconds <= 0:
+        p.error("--timing-seconds must be > 0")
     if any(f < 2 for f in args.factors):
         p.error("--factors must be >= 2 (n' = factor x n)")
     if not args.imdb.is_file():

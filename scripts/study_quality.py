@@ -296,7 +296,7 @@ def dev_scores(out, task):
 def time_updates(args, paths, out):
     """Seconds (median) and peak memory of a pretraining update at the study's batch shape."""
     model, task = load(out / "checkpoints" / "checkpoint_last.pt", paths["data_bin"])
-    return update_cost(model, task, args.shape["batch"], args.shape["n"])
+    return update_cost(model, task, args.shape["batch"], args.shape["n"], args.timing_seconds)
 
 
 def report(args, specs):
@@ -431,9 +431,11 @@ def main():
     arg("--list", action="store_true", help="print the runs and their flags, then exit")
     arg("--jobs", type=int, default=1, help="runs trained at once, each on --threads threads")
     arg("--threads", type=int, default=0, help="threads per training process, 0 for torch's default")
+    arg("--timing-seconds", type=float, default=10, help="timed updates per run last at least this long (default: 10)")
     arg("--report-only", action="store_true", help="only time the finished runs and write the report")
     args = p.parse_args()
-    for name in ("batch", "budget", "lr", "vocab_size", "train_rows", "finetune_epochs", "jobs", "eval_blocks"):
+    positive = ("batch", "budget", "lr", "vocab_size", "train_rows", "finetune_epochs", "jobs", "eval_blocks")
+    for name in (*positive, "timing_seconds"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
     if args.seeds < 0 or args.valid_batches < 1:

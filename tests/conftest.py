@@ -30,6 +30,15 @@ TINY = [
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable)
 
 
+def pytest_configure(config):
+    """Under pytest-xdist's -n, each worker's in-process torch takes its share of the cores, not all."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 def load_script(name: str):
     """scripts/NAME.py as a module, for the tests of its functions (scripts are not a package)."""
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")

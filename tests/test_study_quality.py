@@ -38,6 +38,12 @@ def study(out, *extra):
         "20",
         "--valid-batches",
         "2",
+        "--timing-seconds",
+        "0.5",
+        "--jobs",
+        "2",
+        "--threads",
+        "1",
         *extra,
     ]
 
@@ -94,6 +100,7 @@ def test_long_document_study_on_the_quality_studys_models(quality_study, tmp_pat
     cmd += ["--imdb", SAMPLE / "imdb" / "aclImdb_sample.tar.gz", "--train-size", 16, "--test-size", 8]
     cmd += ["--valid-size", 4, "--epochs", 1, "--batch", 4, "--seeds", 2, "--factors", 2]
     cmd += ["--continue-updates", 4, "--continue-tokens", 512, "--eval-blocks", 4]
+    cmd += ["--timing-seconds", 0.5, "--jobs", 2, "--threads", 1]
     cmd = [str(c) for c in cmd]
     run(cmd, timeout=900)
     results = json.loads((out / "results.json").read_text())

@@ -133,6 +133,21 @@ def test_reviews_within_the_budget_are_untouched(imdb):
     assert len(cut) == n - 1 and torch.equal(cut[: 1 + HEAD], whole[i][: 1 + HEAD])
 
 
+def test_loads_at_once_in_threads_each_cut_to_their_own_length(imdb):
+    """The task takes a name of fairseq's module over while it loads (the study predicts in threads)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fairseq.tasks import sentence_prediction
+
+    data, _ = imdb
+    original = sentence_prediction.maybe_shorten_dataset
+    lengths = [64, M] * 8
+    with ThreadPoolExecutor(8) as pool:
+        longest = list(pool.map(lambda n: int(max(inputs(data, n, "head")[1])), lengths))
+    assert longest == lengths, "a load cut its reviews to another load's length, or not at all"
+    assert sentence_prediction.maybe_shorten_dataset is original
+
+
 @pytest.mark.parametrize("split", SPLITS)
 def test_truncation_off_stops_on_a_review_longer_than_the_model(imdb, split):
     data, texts = imdb

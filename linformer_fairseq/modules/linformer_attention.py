@@ -189,8 +189,8 @@ class SequenceProjection(nn.Module):
     def forward(self, x: Tensor, pad_mask: Tensor | None, weight: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """x: ``T x B x C`` with zeros at its pad positions; pad_mask: ``B x T`` (True at
         pads) or None. ``weight`` replaces this projection's own by matrices or kernels of the
-        same kind stacked along the rows or groups: the attention projects with E and F in one
-        product that way.
+        same kind stacked along the groups: under sharing ``none`` the attention projects every
+        head's keys and values in one product that way.
 
         Returns the projection ``k' x B x C`` and a ``B x k'`` mask of the rows that hold at
         least one real token (None when every row does).
@@ -338,9 +338,10 @@ class LinformerMultiheadAttention(nn.Module):
     def project_keys_values(self, x: Tensor, pad_mask: Tensor | None):
         """Projected keys and values, ``k' x B x C`` each, and the ``B x k'`` row mask.
 
-        Keys and values are computed together wherever they can be: E and F stacked into one
-        GEMM (headwise), and under ``none`` W_K and W_V in one GEMM, then every head's E_i and
-        F_i in one batched product over the 2H heads of [X W_K, X W_V]."""
+        Under ``none``, W_K and W_V run as one GEMM, then every head's E_i and F_i as one batched
+        product over the 2H heads of [X W_K, X W_V]. Headwise E and F stay two GEMMs: stacked
+        into one they trained no faster at n = 512 or 2048 (docs/benchmarks.md, "Against
+        fairseq's original example")."""
         if pad_mask is not None:  # pads then contribute nothing to E X (nor to X W, bias-free)
             x = x.masked_fill(pad_mask.t().unsqueeze(-1), 0.0)
         E, Fv = self.compress_k.weight, None if self.compress_v is None else self.compress_v.weight
@@ -349,14 +350,9 @@ class LinformerMultiheadAttention(nn.Module):
             both, kept = self.compress_k(kv, pad_mask, None if E is None else torch.cat([E, Fv]))
             k, v = both.split(self.embed_dim, dim=-1)
             return k + self.k_proj.bias, v + self.v_proj.bias, kept
+        xk, kept = self.compress_k(x, pad_mask)
         if self.compress_v is None or Fv is None:  # E = F, or pooling: one projection for both
-            xk, kept = self.compress_k(x, pad_mask)
             return self.k_proj(xk), self.v_proj(xk), kept
-        if self.compress_k.kind == "linear":
-            both, kept = self.compress_k(x, pad_mask, torch.cat([E, Fv]))
-            xk, xv = both.chunk(2)
-            return self.k_proj(xk), self.v_proj(xv), kept
-        xk, kept = self.compress_k(x, pad_mask)  # conv: two kernels of their own
         return self.k_proj(xk), self.v_proj(self.compress_v(x, pad_mask)[0]), kept
 
     def forward(

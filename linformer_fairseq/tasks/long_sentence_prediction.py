@@ -11,6 +11,7 @@ fairseq puts them, and ``--truncation none`` stops on the first document that do
 """
 
 import sys
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,6 +68,11 @@ class TruncatedDataset(BaseWrapperDataset):
         return np.minimum(self.dataset.sizes, self.length)
 
 
+# The name taken over below is a module global of fairseq's task: two loads at once in one process
+# (threads) would each see and restore the other's, and one would load its documents uncut.
+_SHORTEN_NAME = threading.Lock()
+
+
 @register_task("long_sentence_prediction", dataclass=LongSentencePredictionConfig)
 class LongSentencePredictionTask(SentencePredictionTask):
     """``sentence_prediction`` whose inputs are cut by ``--truncation`` (or checked to fit)."""
@@ -80,12 +86,13 @@ class LongSentencePredictionTask(SentencePredictionTask):
         # place a length limit applies; taking that name over for the call keeps the rest of its
         # pipeline (padding, labels, regression targets) as fairseq has it, unforked.
         parent = sys.modules[SentencePredictionTask.__module__]
-        shorten = parent.maybe_shorten_dataset
-        parent.maybe_shorten_dataset = lambda dataset, *_: self.fit(dataset, split)
-        try:
-            return super().load_dataset(split, combine, **kwargs)
-        finally:
-            parent.maybe_shorten_dataset = shorten
+        with _SHORTEN_NAME:
+            shorten = parent.maybe_shorten_dataset
+            parent.maybe_shorten_dataset = lambda dataset, *_: self.fit(dataset, split)
+            try:
+                return super().load_dataset(split, combine, **kwargs)
+            finally:
+                parent.maybe_shorten_dataset = shorten
 
     def fit(self, dataset, split):
         n = self.max_positions()

@@ -98,6 +98,9 @@ print_plan() {  # WORLD BATCH UPDATE_FREQ GLOBAL_BATCH
         done
     fi
     echo "batch: $2 sequences per GPU x update_freq $3 x world size $1 = global batch $4"
+    if [[ -n $TOKEN_CAP_NOTE ]]; then
+        echo "  $TOKEN_CAP_NOTE"
+    fi
     echo "save dir: $SAVE_DIR (hydra_train.log, tensorboard/, .hydra/)"
     if [[ -n $RESUME_NOTE ]]; then
         echo "$RESUME_NOTE"
@@ -155,7 +158,11 @@ launch() {
     plan=$("$PYTHON" -m linformer_tools.launch batch "$config_dir" "$config" \
         "${OVERRIDES[@]}" --world-size "$WORLD" \
         ${BATCH_SIZE:+--batch-size "$BATCH_SIZE"} ${GLOBAL_BATCH:+--global-batch "$GLOBAL_BATCH"})
-    read -r batch update_freq global_batch <<<"$plan"
+    read -r batch update_freq global_batch <<<"${plan%%$'\n'*}"
+    TOKEN_CAP_NOTE=""
+    if [[ $plan == *$'\n'* ]]; then  # a second line: dataset.max_tokens caps the batch
+        TOKEN_CAP_NOTE=${plan#*$'\n'}
+    fi
     SAVE_DIR=$(realpath -m "$SAVE_DIR")  # every node and rank must see the same path
 
     local cmd=("$PYTHON" -m fairseq_cli.hydra_train --config-dir "$config_dir" --config-name "$config"

@@ -324,6 +324,15 @@ def test_finetune_from_the_pretrained_checkpoint(resumed, sst2_bin, tmp_path):
     assert table[0] == "| model | SST-2 (accuracy) | Average |"
     assert table[2] == f"| {CONFIG} | {max(accuracy):.1f} ± 0.0 (1) | {max(accuracy):.2f} |"
 
+    # dataset.max_tokens caps a step below 16 inputs of the model's 32 tokens: the plan says so
+    plan = [FINETUNE, "--dry-run", "--cpu", "--global-batch", "32", "--batch-size", "16", "sst-2", *args]
+    out = run(plan + ["dataset.max_tokens=100"], cwd=tmp_path).stdout
+    assert "dataset.max_tokens 100: a step holds 3 input(s) of 32 tokens (shorter ones, up to 16)" in out
+    assert "an update of inputs that long holds 6, not the global batch of 32" in out
+    assert "a step holds" not in run(plan + ["dataset.max_tokens=512"], cwd=tmp_path).stdout
+    refused = subprocess.run(plan + ["dataset.max_tokens=20"], cwd=tmp_path, env=ENV, capture_output=True, text=True)
+    assert refused.returncode == 2 and "less than one input of 32 tokens" in refused.stderr, refused.stderr
+
     # the Slurm array's element 0 is this run again: it resumes from its checkpoint_last.pt
     out = run([FINETUNE_SBATCH, "--dry-run", "--tasks", "sst_2,rte", "--seeds", "3,4", *args], cwd=tmp_path).stdout
     elements = re.findall(r"^element (\d): .*--seed (\d) (\w+) ", out, re.M)

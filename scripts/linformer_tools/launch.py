@@ -84,6 +84,30 @@ def batch_plan(args):
             f"--batch-size whose product divides {global_batch}"
         )
     print(batch, global_batch // per_step, global_batch)
+    note = token_cap_note(cfg, batch, global_batch)
+    if note:
+        print(note)
+
+
+def token_cap_note(cfg, batch, global_batch):
+    """What dataset.max_tokens leaves of the batch when inputs are as long as the model reads
+    (an extended model finetuned with recipe.yaml's cap reads fewer whole reviews per step)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:  # a finetuning task's max_positions is the model's, which a dry run may not know
+        length = cfg.task.get("tokens_per_sample") or cfg.task.get("max_positions")
+    except OmegaConfBaseException:
+        return ""
+    cap = cfg.dataset.max_tokens
+    if not cap or not length or cap >= batch * length:
+        return ""
+    if cap < length:
+        fail(f"dataset.max_tokens {cap} is less than one input of {length} tokens: raise it to at least {length}")
+    fit = cap // length
+    return (
+        f"dataset.max_tokens {cap}: a step holds {fit} input(s) of {length} tokens (shorter ones, up to {batch}), "
+        f"so an update of inputs that long holds {fit * global_batch // batch}, not the global batch of {global_batch}"
+    )
 
 
 def hydra_value(value) -> str:

@@ -6,7 +6,8 @@ RoBERTa and Linformer it pretrained at n) and goes the README's long path with t
 
 1. data: a fixed stratified IMDB subset (data-prep/imdb.sh --train-size/--test-size), reviews
    kept whole, with the quality study's sentencepiece model and dictionary;
-2. for each model and factor f: scripts/extend_max_positions.py to n' = f n, the masked-LM
+2. for each model and factor f (and for a Linformer each --projections way of extending its
+   projections): scripts/extend_max_positions.py to n' = f n, the masked-LM
    loss at T = n and T = n' on validation blocks of n' tokens, continued pretraining at n'
    (scripts/pretrain.sh --from CHECKPOINT extend), and the losses again;
 3. runs: each model at n with head and with head+tail truncation (first n/4 tokens, the rest
@@ -14,17 +15,20 @@ RoBERTa and Linformer it pretrained at n) and goes the README's long path with t
    n' cut head+tail), finetuned with scripts/finetune.sh imdb over several seeds; each final
    model predicts the test subset: accuracy overall and split by review length (<= n, > n);
 4. the cost of a training update of each model at the length it reads, measured alone after the
-   runs (linformer_tools.study.update_cost), and OUT/report.md and OUT/results.json.
+   runs (linformer_tools.study.update_cost), and OUT/report.md, OUT/results.json and
+   OUT/accuracy_by_length.png.
 
 Every step is skipped when its output exists, so a killed study resumes where it stopped.
 """
 
 import argparse
 import json
+import statistics
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from linformer_tools import checkpoints
 from linformer_tools.common import REPO, fail, write_text
 from linformer_tools.study import context_losses, load, log, mean_sd, sh, update_cost
 
@@ -49,17 +53,27 @@ def base_checkpoint(args, model):
     return path
 
 
-def extend_and_continue(args, model, factor):
+def model_kind(path):
+    return checkpoints.model_kind(checkpoints.read_checkpoint(path), path)
+
+
+def extended_name(args, model, factor, projections):
+    """The extended model's folder and run name: MODEL-nN' (periodic projections), or with -stretch."""
+    return f"{model}-n{args.n * factor}" + ("" if projections == "periodic" else f"-{projections}")
+
+
+def extend_and_continue(args, model, factor, projections):
     """The model extended to n' = factor n and continued at n'; returns its checkpoint."""
     n, data_bin = args.n, args.data_bin
     long_n = n * factor
-    work = args.out / "extended" / f"{model}-n{long_n}"
+    work = args.out / "extended" / extended_name(args, model, factor, projections)
     work.mkdir(parents=True, exist_ok=True)
     extended, continued = work / "extended.pt", work / "continued"
     if not (work / "extend.log").exists():
         log(f"{model}: extending to n'={long_n}")
         cmd = [sys.executable, SCRIPTS / "extend_max_positions.py", base_checkpoint(args, model), extended]
-        sh(cmd + ["--max-positions", long_n], work / "extend.log", threads=args.threads)
+        cmd += ["--max-positions", long_n, "--projections", projections]
+        sh(cmd, work / "extend.log", threads=args.threads)
     losses = work / "losses.json"
     found = json.loads(losses.read_text()) if losses.exists() else {}
     if "extended" not in found:
@@ -140,31 +154,33 @@ def predict(args, checkpoint):
 
 
 def runs(args):
-    """name -> (model, extension factor or None, truncation, length it reads)."""
+    """name -> (model, extension: (factor, projections) or None, truncation, length it reads)."""
     found = {}
     for model in args.models:
         for truncation in ("head", "head_tail"):
             found[f"{model}-n{args.n}-{truncation}"] = (model, None, truncation, args.n)
-        for factor in args.factors:
-            found[f"{model}-n{args.n * factor}"] = (model, factor, "head_tail", args.n * factor)
+        for factor in args.factors:  # a RoBERTa has no projections: one extension
+            for projections in args.projections if args.kinds[model] == "linformer" else ["periodic"]:
+                name = extended_name(args, model, factor, projections)
+                found[name] = (model, (factor, projections), "head_tail", args.n * factor)
     return found
 
 
 def do_run(args, name, spec):
-    model, factor, truncation, _ = spec
-    checkpoint = extend_and_continue(args, model, factor) if factor else base_checkpoint(args, model)
+    model, extension, truncation, _ = spec
+    checkpoint = extend_and_continue(args, model, *extension) if extension else base_checkpoint(args, model)
     for seed in range(1, args.seeds + 1):
         finetune(args, name, checkpoint, truncation, seed)
 
 
-def checkpoint_of(args, model, factor):
+def checkpoint_of(args, model, extension):
     """The pretrained model a run finetunes: the quality study's, or its extended continuation."""
-    if not factor:
+    if not extension:
         return base_checkpoint(args, model)
-    return args.out / "extended" / f"{model}-n{args.n * factor}" / "continued" / "checkpoint_last.pt"
+    return args.out / "extended" / extended_name(args, model, *extension) / "continued" / "checkpoint_last.pt"
 
 
-def report(args, specs, checkpoints):
+def report(args, specs, trained):
     n = args.n
     lines = [
         f"Long-document study: pretrained at n={n} ({args.quality}), IMDB {args.train_size} train / "
@@ -179,10 +195,11 @@ def report(args, specs, checkpoints):
         for m in sorted({n} | {n * f for f in args.factors})
     )
     lines += [f"Test reviews ({len(lengths)}, with <s> and </s>): {shares}.", ""]
+    bins = length_bins(n, args.factors)
     header = ["run", "reads", "truncation", "accuracy", f"<= {n} tokens", f"> {n} tokens", "s/update", "peak MB"]
     lines += ["| " + " | ".join(header) + " |", "| --- " * len(header) + "|"]
     results = {}
-    for name, (model, factor, truncation, reads) in specs.items():
+    for name, (model, extension, truncation, reads) in specs.items():
         seeds = [predictions(args, name, s) for s in range(1, args.seeds + 1)]
         seeds = [rows for rows in seeds if rows]
 
@@ -194,25 +211,66 @@ def report(args, specs, checkpoints):
                 for rows in seeds
             ]
 
-        cost = cost_of(args, name, checkpoints[model, factor], reads)
+        cost = cost_of(args, name, trained[model, extension], reads)
         results[name] = dict(
             all=accuracy(lambda x: True), short=accuracy(lambda x: x <= n), long=accuracy(lambda x: x > n), **cost
         )
+        results[name]["by_length"] = {
+            label: dict(reviews=sum(keep(x) for x in lengths), accuracy=accuracy(keep)) for label, keep in bins
+        }
         r = results[name]
         cells = [name, str(reads), truncation, mean_sd(r["all"]), mean_sd(r["short"]), mean_sd(r["long"])]
         lines.append("| " + " | ".join(cells + [f"{cost['seconds_per_update']:.3f}", f"{cost['peak_mb']:.0f}"]) + " |")
     lines += ["", "Masked-LM loss (bits/token) of the extended models on validation blocks of n' tokens:", ""]
     lines += [f"| model | n' | before: T={n} | before: T=n' | after: T={n} | after: T=n' |", "| --- " * 6 + "|"]
-    for (model, factor), _ in checkpoints.items():
-        if factor:
-            found = json.loads((args.out / "extended" / f"{model}-n{n * factor}" / "losses.json").read_text())
+    for model, extension in trained:
+        if extension:
+            name = extended_name(args, model, *extension)
+            found = json.loads((args.out / "extended" / name / "losses.json").read_text())
             before, after = ({int(k): v for k, v in found[s].items()} for s in ("extended", "continued"))
-            long_n = n * factor
-            cells = [model, long_n, before[n], before[long_n], after[n], after[long_n]]
+            long_n = n * extension[0]
+            cells = [name, long_n, before[n], before[long_n], after[n], after[long_n]]
             lines.append("| " + " | ".join(f"{c:.3f}" if isinstance(c, float) else str(c) for c in cells) + " |")
+    lines += ["", "Accuracy (mean of seeds) by review length, in tokens with <s> and </s>:", ""]
+    lines += ["| run | " + " | ".join(label for label, _ in bins) + " |", "| --- " * (len(bins) + 1) + "|"]
+    lines.append("| reviews | " + " | ".join(str(sum(keep(x) for x in lengths)) for _, keep in bins) + " |")
+    for name, r in results.items():
+        cells = [f"{statistics.mean(b['accuracy']):.1f}" if b["accuracy"] else "-" for b in r["by_length"].values()]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     write_text(args.out / "report.md", "\n".join(lines) + "\n")
     write_text(args.out / "results.json", json.dumps(results, indent=1))
+    plot_by_length(results, args.out / "accuracy_by_length.png", n)
     print("\n".join(lines))
+
+
+def length_bins(n, factors):
+    """(label, keep) for review lengths split at n, 2n and each n'."""
+    edges = sorted({n, 2 * n} | {n * f for f in factors})
+    bins = [(f"<= {edges[0]}", lambda x: x <= edges[0])]
+    bins += [(f"{lo + 1}-{hi}", lambda x, lo=lo, hi=hi: lo < x <= hi) for lo, hi in zip(edges, edges[1:])]
+    return bins + [(f"> {edges[-1]}", lambda x: x > edges[-1])]
+
+
+def plot_by_length(results, path, n):
+    import logging
+
+    import matplotlib
+
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq set the root logger to DEBUG
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, r in results.items():
+        bins = r["by_length"].items()
+        points = [(f"{label}\n({b['reviews']})", statistics.mean(b["accuracy"])) for label, b in bins if b["accuracy"]]
+        style = dict(linestyle="--") if f"-n{n}-" in name else dict(linewidth=2.5)  # truncated runs dashed
+        ax.plot(*zip(*points), marker="o", label=name, **style)
+    ax.set(xlabel="review length in tokens (reviews)", ylabel="test accuracy, mean of seeds (%)")
+    ax.set_title(f"IMDB accuracy by review length (pretrained at n={n}; dashed: truncated to n)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def predictions(args, name, seed=1):
@@ -238,6 +296,14 @@ def main():
     a("--out", type=Path, default=REPO / "work" / "long", help="output folder (default: work/long)")
     a("--models", nargs="+", default=["roberta", "linformer"], help="runs of the quality study to extend")
     a("--factors", nargs="+", type=int, default=[4], help="n' = factor x n (default: 4)")
+    a(
+        "--projections",
+        nargs="+",
+        choices=["periodic", "stretch"],
+        default=["periodic"],
+        help="how a Linformer's projections are extended (extend_max_positions.py --projections); "
+        "each is its own run, named MODEL-nN'-stretch for stretch (default: periodic)",
+    )
     a("--train-size", type=int, default=1000, help="IMDB training reviews, half of each class (default: 1000)")
     a("--test-size", type=int, default=1000, help="IMDB test reviews, half of each class (default: 1000)")
     a("--valid-size", type=int, default=200, help="training reviews held out for fairseq's validation")
@@ -271,13 +337,14 @@ def main():
     args.n = base.max_positions()
     args.out.mkdir(parents=True, exist_ok=True)
     args.imdb_bin = prepare_imdb(args)
+    args.kinds = {m: model_kind(base_checkpoint(args, m)) for m in args.models}
     specs = runs(args)
     if not args.report_only:
         with ThreadPoolExecutor(args.jobs) as pool:
             for done in [pool.submit(do_run, args, name, spec) for name, spec in specs.items()]:
                 done.result()
-    checkpoints = {(model, factor): checkpoint_of(args, model, factor) for model, factor, _, _ in specs.values()}
-    report(args, specs, checkpoints)
+    trained = {(model, ext): checkpoint_of(args, model, ext) for model, ext, _, _ in specs.values()}
+    report(args, specs, trained)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,10 @@ def test_study_runs_end_to_end_and_resumes(quality_study):
         assert len(r["SST-2"]) == 2 and all(0 <= a <= 100 for a in r["SST-2"]), r["SST-2"]
         assert len(r["CoLA"]) == 2 and all(-100 <= m <= 100 for m in r["CoLA"]), r["CoLA"]
         assert r["seconds_per_update"] > 0 and r["peak_mb"] > 0
+        # the length bins (<= 64, 65-128, > 128) split the 8 test reviews, each read by both seeds
+        bins = r["by_length"]
+        assert list(bins) == ["<= 64", "65-128", "> 128"] and sum(b["reviews"] for b in bins.values()) == 8, bins
+        assert all(len(b["accuracy"]) == (2 if b["reviews"] else 0) for b in bins.values()), bins
     # same model but for E and F (k x n, two per layer under headwise sharing)
     assert rows["linformer"]["parameters"] - rows["roberta"]["parameters"] == 2 * k * n * layers
     assert rows["linformer"]["flags"].endswith("--compress-length-norm linear --compress-init normal")
@@ -99,6 +103,7 @@ def test_long_document_study_on_the_quality_studys_models(quality_study, tmp_pat
     cmd = [sys.executable, REPO / "scripts" / "study_long_documents.py", "--quality", quality_study, "--out", out]
     cmd += ["--imdb", SAMPLE / "imdb" / "aclImdb_sample.tar.gz", "--train-size", 16, "--test-size", 8]
     cmd += ["--valid-size", 4, "--epochs", 1, "--batch", 4, "--seeds", 2, "--factors", 2]
+    cmd += ["--projections", "periodic", "stretch"]
     cmd += ["--continue-updates", 4, "--continue-tokens", 512, "--eval-blocks", 4]
     cmd += ["--timing-seconds", 0.5, "--jobs", 2, "--threads", 1]
     cmd = [str(c) for c in cmd]
@@ -106,17 +111,26 @@ def test_long_document_study_on_the_quality_studys_models(quality_study, tmp_pat
     results = json.loads((out / "results.json").read_text())
     n = 64
     expected = {f"{m}-{r}" for m in ("roberta", "linformer") for r in (f"n{n}-head", f"n{n}-head_tail", f"n{2 * n}")}
+    expected.add(f"linformer-n{2 * n}-stretch")  # a RoBERTa has no projections to stretch
     assert set(results) == expected
     for name, r in results.items():
         assert len(r["all"]) == 2 and all(0 <= a <= 100 for a in r["all"]), (name, r)
         assert r["seconds_per_update"] > 0 and r["peak_mb"] > 0
+        # the length bins (<= 64, 65-128, > 128) split the 8 test reviews, each read by both seeds
+        bins = r["by_length"]
+        assert list(bins) == ["<= 64", "65-128", "> 128"] and sum(b["reviews"] for b in bins.values()) == 8, bins
+        assert all(len(b["accuracy"]) == (2 if b["reviews"] else 0) for b in bins.values()), bins
     # every test review is predicted once per seed, with its whole length recorded
     rows = json.loads((out / "runs" / f"linformer-n{2 * n}" / "seed1" / "predictions.json").read_text())
     assert len(rows) == 8 and sum(length > n for length, _, _ in rows) >= 4
     assert not list((out / "runs").rglob("checkpoint*.pt"))  # finetuned checkpoints removed after predicting
     losses = json.loads((out / "extended" / f"linformer-n{2 * n}" / "losses.json").read_text())
     assert set(losses) == {"extended", "continued"} and set(losses["extended"]) == {str(n), str(2 * n)}
+    # periodic keeps what the model computes on n tokens; stretch resamples E, which changes it
+    stretched = json.loads((out / "extended" / f"linformer-n{2 * n}-stretch" / "losses.json").read_text())
+    assert abs(stretched["extended"][str(n)] - losses["extended"][str(n)]) > 1e-5, (stretched, losses)
     report = (out / "report.md").read_text()
     assert all(f"| {name} |" in report for name in expected) and "longer than 64:" in report
+    assert (out / "accuracy_by_length.png").stat().st_size > 10_000
     again = run(cmd, timeout=300).stdout
     assert "finetuning, seed" not in again and ": continued pretraining at" not in again, again[-2000:]

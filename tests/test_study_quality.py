@@ -74,10 +74,6 @@ def test_study_runs_end_to_end_and_resumes(quality_study):
         assert len(r["SST-2"]) == 2 and all(0 <= a <= 100 for a in r["SST-2"]), r["SST-2"]
         assert len(r["CoLA"]) == 2 and all(-100 <= m <= 100 for m in r["CoLA"]), r["CoLA"]
         assert r["seconds_per_update"] > 0 and r["peak_mb"] > 0
-        # the length bins (<= 64, 65-128, > 128) split the 8 test reviews, each read by both seeds
-        bins = r["by_length"]
-        assert list(bins) == ["<= 64", "65-128", "> 128"] and sum(b["reviews"] for b in bins.values()) == 8, bins
-        assert all(len(b["accuracy"]) == (2 if b["reviews"] else 0) for b in bins.values()), bins
     # same model but for E and F (k x n, two per layer under headwise sharing)
     assert rows["linformer"]["parameters"] - rows["roberta"]["parameters"] == 2 * k * n * layers
     assert rows["linformer"]["flags"].endswith("--compress-length-norm linear --compress-init normal")

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from linformer_tools import checkpoints
 from linformer_tools.common import REPO, fail, write_text
+from linformer_tools.models import pyplot, save_figure
 from linformer_tools.study import context_losses, load, log, mean_sd, sh, update_cost
 
 SCRIPTS = REPO / "scripts"
@@ -196,6 +197,7 @@ def report(args, specs, trained):
     )
     lines += [f"Test reviews ({len(lengths)}, with <s> and </s>): {shares}.", ""]
     bins = length_bins(n, args.factors)
+    reviews = [sum(keep(x) for x in lengths) for _, keep in bins]
     header = ["run", "reads", "truncation", "accuracy", f"<= {n} tokens", f"> {n} tokens", "s/update", "peak MB"]
     lines += ["| " + " | ".join(header) + " |", "| --- " * len(header) + "|"]
     results = {}
@@ -216,7 +218,7 @@ def report(args, specs, trained):
             all=accuracy(lambda x: True), short=accuracy(lambda x: x <= n), long=accuracy(lambda x: x > n), **cost
         )
         results[name]["by_length"] = {
-            label: dict(reviews=sum(keep(x) for x in lengths), accuracy=accuracy(keep)) for label, keep in bins
+            label: dict(reviews=count, accuracy=accuracy(keep)) for (label, keep), count in zip(bins, reviews)
         }
         r = results[name]
         cells = [name, str(reads), truncation, mean_sd(r["all"]), mean_sd(r["short"]), mean_sd(r["long"])]
@@ -233,7 +235,7 @@ def report(args, specs, trained):
             lines.append("| " + " | ".join(f"{c:.3f}" if isinstance(c, float) else str(c) for c in cells) + " |")
     lines += ["", "Accuracy (mean of seeds) by review length, in tokens with <s> and </s>:", ""]
     lines += ["| run | " + " | ".join(label for label, _ in bins) + " |", "| --- " * (len(bins) + 1) + "|"]
-    lines.append("| reviews | " + " | ".join(str(sum(keep(x) for x in lengths)) for _, keep in bins) + " |")
+    lines.append("| reviews | " + " | ".join(map(str, reviews)) + " |")
     for name, r in results.items():
         cells = [f"{statistics.mean(b['accuracy']):.1f}" if b["accuracy"] else "-" for b in r["by_length"].values()]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -252,15 +254,7 @@ def length_bins(n, factors):
 
 
 def plot_by_length(results, path, n):
-    import logging
-
-    import matplotlib
-
-    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq set the root logger to DEBUG
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = pyplot().subplots(figsize=(8, 5))
     for name, r in results.items():
         bins = r["by_length"].items()
         points = [(f"{label}\n({b['reviews']})", statistics.mean(b["accuracy"])) for label, b in bins if b["accuracy"]]
@@ -270,7 +264,7 @@ def plot_by_length(results, path, n):
     ax.set_title(f"IMDB accuracy by review length (pretrained at n={n}; dashed: truncated to n)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def predictions(args, name, seed=1):

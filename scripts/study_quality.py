@@ -26,6 +26,7 @@ from pathlib import Path
 from linformer_tools import fairseq_train
 from linformer_tools.common import REPO, atomic, fail, write_text
 from linformer_tools.logs import by_update, records
+from linformer_tools.models import pyplot, save_figure
 from linformer_tools.study import context_losses, load, log, mean_sd, sh, update_cost
 
 DATA_PREP = REPO / "data-prep"
@@ -362,15 +363,7 @@ def log_summary(out, names):
 
 
 def plot(curves, path, title):
-    import logging
-
-    import matplotlib
-
-    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq set the root logger to DEBUG
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = pyplot().subplots(figsize=(8, 5))
     for name, curve in curves.items():
         if curve:
             style = dict(color="black", linewidth=2.5) if name == "roberta" else dict(linewidth=1)
@@ -378,7 +371,7 @@ def plot(curves, path, title):
     ax.set(xlabel="updates", ylabel="validation perplexity", yscale="log", title=title)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 # ------------------------------------------------------------------------------- main

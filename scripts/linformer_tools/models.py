@@ -74,6 +74,7 @@ def pyplot():
     """matplotlib.pyplot on the Agg backend (no display needed)."""
     import matplotlib
 
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq sets the root logger to DEBUG
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

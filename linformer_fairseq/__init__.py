@@ -1,8 +1,10 @@
 """linformer-fairseq: the Linformer (Wang et al. 2020) as a fairseq plugin.
 
 Use as ``fairseq-train --user-dir linformer_fairseq --arch linformer_roberta_base ...``.
-Importing registers the ``linformer_roberta`` model and its architectures, and the
-``long_sentence_prediction`` task (documents longer than the model: head / tail / head+tail).
+Importing registers the ``linformer_roberta`` model and its architectures, the
+``roberta_imported`` model (a RoBERTa imported from transformers by scripts/import_hf.py), the
+``long_sentence_prediction`` task (documents longer than the model: head / tail / head+tail) and
+``--bpe hf_tokenizer`` (a tokenizer.json).
 """
 
 import argparse
@@ -34,7 +36,9 @@ torch.serialization.add_safe_globals(
     ]
 )
 
+from . import encoders  # noqa: E402, F401  (registers --bpe hf_tokenizer)
+from .models.imported_roberta import ImportedRobertaModel  # noqa: E402
 from .models.linformer_roberta import LinformerRobertaModel  # noqa: E402  (registers the models)
 from .tasks import long_sentence_prediction  # noqa: E402, F401  (registers the task)
 
-__all__ = ["LinformerRobertaModel"]
+__all__ = ["ImportedRobertaModel", "LinformerRobertaModel"]

@@ -28,6 +28,8 @@ It holds:
                            Without --dict the dictionary is the spm pieces in spm order (what
                            data-prep/spm.sh train writes). With --dict only: whitespace-split words
                            (fairseq without --bpe).
+                           With --tokenizer-json (a model imported by import_hf.py: its tokenizer.json,
+                           already in the fairseq ids): that tokenizer, reading pairs as the hub does.
 
 Literal "<s>", "</s>", "<pad>" and "<mask>" in the text are read as those tokens (transformers'
 convention; <mask> is how the fill-mask pipeline marks the blank, as the hub's fill_mask does);
@@ -357,6 +359,20 @@ def unigram_tokenizer(proto, symbols, spm_path, dict_path):
     return tokenizer
 
 
+def imported_symbols(path, vocab_size):
+    """(symbols in id order, the Tokenizer) of import_hf.py's tokenizer.json, whose ids are the
+    model's: its own tokens name the specials ([CLS] for <s>, ...), the mask token last."""
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:
+        fail(f"{path}: not a tokenizers tokenizer.json ({(str(e).splitlines() or [''])[0][:200]})")
+    if tokenizer.get_vocab_size(with_added_tokens=True) != vocab_size:
+        fail(f"{path}: {tokenizer.get_vocab_size()} tokens, but the checkpoint's token embedding has {vocab_size} rows")
+    return [tokenizer.id_to_token(i) for i in range(vocab_size)], tokenizer
+
+
 def word_tokenizer(symbols):
     """fairseq without --bpe: whitespace-separated words, looked up in the dictionary."""
     from tokenizers import Tokenizer, pre_tokenizers
@@ -413,12 +429,19 @@ def parse_args(argv=None):
         "--label-dict", help="a classification head's label dictionary (the finetuning data-bin's label/dict.txt)"
     )
     parser.add_argument("--head", help="the classification head to export (default: the checkpoint's only one)")
+    parser.add_argument(
+        "--tokenizer-json", help="the tokenizer.json of a model imported by import_hf.py (in the fairseq ids)"
+    )
     parser.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer")
     parser.add_argument("--no-check", action="store_true", help="skip comparing the exported model with fairseq's")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     args = parser.parse_args(argv)
     if Path(args.checkpoint).resolve() == Path(args.out).resolve():
         parser.error("--out would overwrite the checkpoint")
+    if args.tokenizer_json and (args.spm_model or args.dict):
+        parser.error("--tokenizer-json is the whole tokenizer: give it without --spm-model and --dict")
+    if args.tokenizer_json and not Path(args.tokenizer_json).is_file():
+        parser.error(f"{args.tokenizer_json}: no such tokenizer.json")
     return args
 
 
@@ -457,15 +480,19 @@ def main(argv=None):
     vocab_size = model.encoder.sentence_encoder.embed_tokens.weight.size(0)
 
     symbols, mask_id = None, vocab_size - 1  # masked_lm's layout when no dictionary says otherwise
-    want_tokenizer = not args.no_tokenizer and (proto is not None or args.dict)
-    if want_tokenizer:
+    want_tokenizer = not args.no_tokenizer and (proto is not None or args.dict or args.tokenizer_json)
+    if want_tokenizer and args.tokenizer_json:
+        symbols, imported = imported_symbols(args.tokenizer_json, vocab_size)
+    elif want_tokenizer:
         symbols, mask_id = dictionary_symbols(args.dict, proto, vocab_size)
     config = hf_config(model, kind, fs_args, head_name, labels, mask_id)
     weights = hf_weights(model, kind, head_name, config)
     built = hf_models(config, weights)
     worst = None if args.no_check else check(model, built, head_name, config)
     tokenizer = None
-    if want_tokenizer and proto is not None:
+    if want_tokenizer and args.tokenizer_json:
+        tokenizer = imported
+    elif want_tokenizer and proto is not None:
         tokenizer = unigram_tokenizer(proto, symbols, args.spm_model, args.dict)
     elif want_tokenizer:
         tokenizer = word_tokenizer(symbols)
@@ -496,7 +523,7 @@ def main(argv=None):
         print("  no tokenizer (give --spm-model and/or --dict)" if not args.no_tokenizer else "  no tokenizer")
     else:
         source = f"{args.spm_model} + " if proto is not None else "words + "
-        print(f"  tokenizer: {source}{args.dict or 'the spm pieces'}")
+        print(f"  tokenizer: {args.tokenizer_json or source + (args.dict or 'the spm pieces')}")
     if worst is not None:
         print(f"  checked against fairseq: largest difference {worst:.2g}")
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Extend a trained Linformer (or RoBERTa) checkpoint from n to n' > n positions.
+"""Extend a trained Linformer (or RoBERTa) checkpoint from n to n' > n positions (or shorten a
+RoBERTa to n' < n: it keeps its first n' positions, exact on inputs of at most n' tokens).
 
 Positions: fairseq's learned positional embedding has n + padding_idx + 1 rows (real positions
 start at row padding_idx + 1 = 2); the n trained rows are copied periodically, so position p of
@@ -117,8 +118,9 @@ def extend(state, kind: str, args):
     """(extended model, its namespace, original model, n)."""
     ns = checkpoints.model_namespace(state)
     n = ns.max_positions
-    if args.max_positions <= n:
-        fail(f"--max-positions {args.max_positions} must be larger than the checkpoint's n={n}")
+    if args.max_positions == n or (args.max_positions < n and kind != "roberta"):
+        longer = "larger than" if kind != "roberta" else "other than"
+        fail(f"--max-positions {args.max_positions} must be {longer} the checkpoint's n={n}")
     if kind == "roberta" and args.compressed_dim:
         fail("--compressed-dim applies to Linformer checkpoints; a RoBERTa has no projections")
     vocab = checkpoints.vocab_size(state)
@@ -151,7 +153,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="fairseq Linformer or RoBERTa checkpoint at n positions (.pt)")
     parser.add_argument("output", help="checkpoint to write, at n' positions (.pt)")
-    parser.add_argument("--max-positions", type=int, required=True, help="n', larger than the checkpoint's n")
+    parser.add_argument(
+        "--max-positions", type=int, required=True, help="n', larger than the checkpoint's n (a RoBERTa: or smaller)"
+    )
     parser.add_argument(
         "--projections",
         choices=("periodic", "stretch"),
@@ -188,7 +192,8 @@ def main(argv=None):
     note = {"from": str(args.checkpoint), "extended_from": n, "projections": args.projections if linformer else None}
     checkpoints.write_checkpoint(state, ns, model, args.output, note, max_positions=(n, args.max_positions))
     how = f", k={ns.layer_compressed_dims or ns.compressed_dim}; projections {args.projections}" if linformer else ""
-    print(f"wrote {args.output}: {kind} at n'={args.max_positions} (from n={n}{how}); positions copied periodically")
+    positions = "positions copied periodically" if args.max_positions > n else "its first positions kept"
+    print(f"wrote {args.output}: {kind} at n'={args.max_positions} (from n={n}{how}); {positions}")
 
     rows = {}
     if args.data:

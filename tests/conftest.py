@@ -50,6 +50,22 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.path not in slow_files)
 
 
+def call_main(module, *argv):
+    """A script's main(argv) in this process: its exit status (0 when it returns)."""
+    try:
+        module.main([str(a) for a in argv])
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def error_line(capsys):
+    """The one 'error: ...' line a script printed on stderr."""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
 def load_script(name: str):
     """scripts/NAME.py as a module, for the tests of its functions (scripts are not a package)."""
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")

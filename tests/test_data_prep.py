@@ -1,6 +1,7 @@
 """data-prep/: corpus, sentencepiece, shards, GLUE, IMDB, downloads; idempotence, atomicity, errors."""
 
 import bz2
+import collections
 import io
 import json
 import os
@@ -1286,3 +1287,155 @@ def test_output_holding_an_input_is_refused(tmp_path):
         check=False,
     )
     assert code == 2 and f"error: {tmp_path / 'b'}: the output is also an input" in log
+
+
+# ---------------------------------------------------------------- a Hugging Face tokenizer.json
+
+HF_SPECIALS = ["<s>", "<pad>", "</s>", "[UNK]"]  # ids 0-3, the roles of fairseq's own specials
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    """A WordPiece tokenizer.json and its dict.txt as scripts/import_hf.py writes them (token
+    strings in id order from id 4): the vocabulary is the characters (and ##characters) and the
+    300 commonest words of Blake's poems, so other text has ## pieces and [UNK]s. Like an
+    imported model's, it adds <s> ... </s> around a text unless told not to."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    normalizer, pre_tokenizer = normalizers.BertNormalizer(lowercase=True), pre_tokenizers.BertPreTokenizer()
+    words = collections.Counter(
+        word
+        for line in (SAMPLE / "books/blake-poems.txt").read_text().splitlines()
+        for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(line))
+    )
+    chars = sorted({c for word in words for c in word})
+    common = [word for word, _ in words.most_common(300)]
+    vocab = list(dict.fromkeys(HF_SPECIALS + chars + [f"##{c}" for c in chars] + ["##ing", "##ed"] + common))
+    tokenizer = Tokenizer(models.WordPiece({token: i for i, token in enumerate(vocab)}, unk_token="[UNK]"))
+    tokenizer.normalizer, tokenizer.pre_tokenizer = normalizer, pre_tokenizer
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
+    )
+    folder = tmp_path_factory.mktemp("imported")
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "dict.txt").write_text("".join(f"{token} {len(vocab) - i}\n" for i, token in enumerate(vocab) if i >= 4))
+    return folder, tokenizer
+
+
+def _tokens(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_tokenizer_json_encodes_lines_as_tokenizers_does(hf_model, tmp_path):
+    from tokenizers import Tokenizer
+
+    folder, tokenizer = hf_model
+    src = SAMPLE / "wikitext-2/wiki.valid.tokens"
+    sh(
+        "spm.sh",
+        "encode",
+        "--tokenizer",
+        folder / "tokenizer.json",
+        "--workers",
+        2,
+        "--inputs",
+        src,
+        "--outputs",
+        tmp_path / "valid.tok",
+    )
+    lines, encoded = src.read_text().splitlines(), (tmp_path / "valid.tok").read_text().splitlines()
+    assert len(encoded) == len(lines)
+    assert [line.split() for line in encoded] == [_tokens(tokenizer, line).tokens for line in lines]
+    blank = [i for i, line in enumerate(lines) if not line.strip()]
+    assert blank and [i for i, line in enumerate(encoded) if not line] == blank  # document breaks kept
+    text = "\n".join(encoded)
+    assert "[UNK]" in text and " ##" in text
+    # told apart by content, not name; the file's truncation and padding are not applied; one
+    # process writes the same bytes as two
+    limited = Tokenizer.from_str(tokenizer.to_str())
+    limited.enable_truncation(8)
+    limited.enable_padding(length=8)
+    limited.save(str(tmp_path / "spm.model"))
+    spm.encode(tmp_path / "spm.model", src, tmp_path / "one.tok", workers=1)
+    assert (tmp_path / "one.tok").read_bytes() == (tmp_path / "valid.tok").read_bytes()
+
+
+@pytest.mark.parametrize("task", ["SST-2", "IMDB"])
+def test_glue_and_imdb_with_a_tokenizer_json(hf_model, tmp_path, task):
+    folder, tokenizer = hf_model
+    model, tarball = folder / "tokenizer.json", SAMPLE / "imdb/aclImdb_sample.tar.gz"
+    args = ["--srcdict", folder / "dict.txt", "--destdir", tmp_path, "--workers", 2]
+    if task == "SST-2":
+        sh("glue.sh", "--glue-dir", SAMPLE / "glue", "--tasks", "SST-2", "--tokenizer", model, *args)
+        splits = glue.read_task(SAMPLE / "glue", "SST-2")
+    else:
+        sh("imdb.sh", "--tarball", tarball, "--valid-size", 4, "--spm-model", model, *args)
+        splits = imdb.imdb_splits(imdb.read_reviews(tarball), 4, seed=1)
+    dest = tmp_path / f"{task}-bin"
+    assert sorted(p.name for p in dest.iterdir()) == ["input0", "label", "made-from.json", "meta.json"]
+    assert json.loads((dest / "made-from.json").read_text())["inputs"]["spm_model"]["path"] == str(model)
+    assert [s.name for s in splits] == ["train", "valid", "test"][: len(splits)]
+    unknown = 0
+    for split in splits:
+        d, data = fairseq_dataset(dest / f"input0/{split.name}")
+        assert len(d) == tokenizer.get_vocab_size()
+        ids = [_tokens(tokenizer, text).ids + [d.eos()] for text in split.inputs[0]]
+        assert [data[i].tolist() for i in range(len(data))] == ids  # fairseq ids = tokenizer ids
+        unknown += sum(row.count(d.unk()) for row in ids)
+        d, labels = fairseq_dataset(dest / f"label/{split.name}")
+        assert [d.string(labels[i][:-1]) for i in range(len(labels))] == split.labels
+    assert unknown  # [UNK] (id 3, not in dict.txt) became fairseq's <unk> (3)
+
+
+def test_bad_tokenizer_json_is_named(hf_model, tmp_path):
+    from tokenizers import Tokenizer
+
+    folder, tokenizer = hf_model
+    with pytest.raises(PrepError, match=f"{tmp_path / 'x/tokenizer.json'}: tokenizer.json not found"):
+        spm.check_model(tmp_path / "x/tokenizer.json")
+    (tmp_path / "config.json").write_text('{"vocab_size": 10}\n')
+    with pytest.raises(PrepError, match=r'config.json: a JSON file, but not a tokenizer.json \(no "model" key\)'):
+        spm.check_model(tmp_path / "config.json")
+    (tmp_path / "garbage.json").write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(PrepError, match=r"garbage.json: not a sentencepiece model \(.*\) nor a tokenizer.json"):
+        spm.check_model(tmp_path / "garbage.json")
+    broken = json.loads((folder / "tokenizer.json").read_text())
+    broken["model"] = {"type": "NoSuchModel"}
+    (tmp_path / "broken.json").write_text(json.dumps(broken))
+    with pytest.raises(PrepError, match="broken.json: not a valid tokenizer.json"):
+        spm.check_model(tmp_path / "broken.json")
+    spaced = Tokenizer.from_str(tokenizer.to_str())
+    spaced.add_tokens(["new york"])
+    spaced.save(str(tmp_path / "spaced.json"))
+    make_glue_task(tmp_path / "glue", "RTE")
+    code, log = sh(
+        "glue.sh",
+        "--glue-dir",
+        tmp_path / "glue",
+        "--tasks",
+        "RTE",
+        "--tokenizer",
+        tmp_path / "spaced.json",
+        "--srcdict",
+        folder / "dict.txt",
+        "--destdir",
+        tmp_path / "bin",
+        check=False,
+    )
+    message = "1 vocabulary tokens are empty or hold whitespace (e.g. 'new york')"
+    assert code == 2 and f"error: {tmp_path / 'spaced.json'}: {message}" in log and "Traceback" not in log
+    assert not (tmp_path / "bin").exists()
+
+
+def test_encoding_records_the_tokenizer_json(hf_model, tmp_path):
+    folder, _ = hf_model
+    model = tmp_path / "tokenizer.json"
+    model.write_bytes((folder / "tokenizer.json").read_bytes())
+    args = ["encode", "--tokenizer", model, "--workers", 1, "--inputs", SAMPLE / "books/blake-poems.txt"]
+    sh("spm.sh", *args, "--outputs", tmp_path / "blake.tok")
+    assert "skip encoding" in sh("spm.sh", *args, "--outputs", tmp_path / "blake.tok")[1]
+    content = json.loads(model.read_text())
+    content["normalizer"]["lowercase"] = False  # same name, other tokens
+    model.write_text(json.dumps(content))
+    code, log = sh("spm.sh", *args, "--outputs", tmp_path / "blake.tok", check=False)
+    assert code == 2 and f"model {model} changed" in log

@@ -17,15 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ENV, SCRIPTS, load_script
-
-# fairseq-fixed depends on torchaudio, and pip may give a wheel that does not load with the
-# installed torch (torchaudio 2.11 with torch 2.13: an OSError at import); transformers imports
-# it whenever it is installed (pipelines, Trainer). Hide a broken one; the text models never use it.
-try:
-    import torchaudio  # noqa: F401
-except (ImportError, OSError):
-    sys.modules["torchaudio"] = None
+from conftest import ENV, SCRIPTS, call_main, error_line, load_script
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local: never ask the Hub
 transformers = pytest.importorskip("transformers")  # the hf extra
@@ -49,18 +41,7 @@ UNUSUAL = [*UNKNOWN_CHARACTERS, "  two  spaces\tand a tab ", "x\u00a0y\u3000z", 
 
 
 def call(*argv):
-    """export_hf.main(argv) in this process: its exit status (0 when it returns)."""
-    try:
-        export.main([str(a) for a in argv])
-    except SystemExit as e:
-        return e.code
-    return 0
-
-
-def error_line(capsys):
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
+    return call_main(export, *argv)
 
 
 # ---------------------------------------------------------------- tiny fairseq models

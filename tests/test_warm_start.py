@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ENV, SCRIPTS, load_script
+from conftest import ENV, SCRIPTS, error_line, load_script
+from conftest import call_main as call
 
 from linformer_fairseq import LinformerRobertaModel
 from linformer_tools import checkpoints
@@ -55,15 +56,6 @@ def fairseq_train(data, save_dir, *flags):
 
 def sentence(animal):
     return f"the {animal} eats {FOODS[animal]} ."
-
-
-def call(script, *argv):
-    """A script's main() in this process: its exit status (0 when it returns)."""
-    try:
-        script.main([str(a) for a in argv])
-    except SystemExit as e:
-        return e.code
-    return 0
 
 
 def load(checkpoint, data):
@@ -420,12 +412,6 @@ def test_predict_gives_one_probability_row_per_input_alone_or_padded(classifier,
 
 
 # ---------------------------------------------------------------- errors
-
-
-def error_line(capsys):
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
 
 
 def test_missing_or_unreadable_checkpoints_fail_clearly(tmp_path, capsys):

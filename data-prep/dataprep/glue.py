@@ -2,9 +2,10 @@
 
 Reads the glue_data/<TASK>/*.tsv layout written by the standard download_glue_data.py (or
 downloads the same files with --download), picks each task's own columns by header name,
-checks every row and label, encodes the texts with the pretraining sentencepiece model and
-binarizes them as fairseq's sentence_prediction task expects (see labelled.py). STS-B is a
-regression target, scaled from [0, 5] to [0, 1] as in fairseq's RoBERTa recipe.
+checks every row and label, encodes the texts with the pretraining sentencepiece model (or
+tokenizer.json) and binarizes them as fairseq's sentence_prediction task expects (see
+labelled.py). STS-B is a regression target, scaled from [0, 5] to [0, 1] as in fairseq's
+RoBERTa recipe.
 """
 
 import zipfile
@@ -210,7 +211,7 @@ def main():
     p.add_argument("--glue-dir", required=True, type=Path, help="glue_data folder with one sub-folder per task")
     p.add_argument("--download", action="store_true", help="download missing tasks into --glue-dir first")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
-    p.add_argument("--spm-model", required=True, type=Path, help="the pretraining spm.model")
+    spm.add_model_argument(p)
     p.add_argument("--srcdict", required=True, type=Path, help="the pretraining dict.txt")
     p.add_argument("--destdir", required=True, type=Path, help="writes DESTDIR/<TASK>-bin")
     p.add_argument("--workers", type=int, default=default_workers())

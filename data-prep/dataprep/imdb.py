@@ -100,7 +100,7 @@ def main():
         help=f"aclImdb_v1.tar.gz: a local file, a URL, or 'download' for {IMDB_URL}",
     )
     p.add_argument("--download-dir", type=Path, default=Path("."), help="where a downloaded tarball goes")
-    p.add_argument("--spm-model", required=True, type=Path, help="the pretraining spm.model")
+    spm.add_model_argument(p)
     p.add_argument("--srcdict", required=True, type=Path, help="the pretraining dict.txt")
     p.add_argument("--destdir", required=True, type=Path, help="writes DESTDIR/IMDB-bin")
     p.add_argument("--valid-size", type=int, default=2500, help="train reviews held out as valid")

@@ -4,10 +4,15 @@ train:  OUT/spm.model, OUT/spm.vocab and OUT/dict.txt (the spm pieces in spm id 
         fairseq id = spm id + 1: fairseq puts <s> <pad> </s> <unk> first, spm <unk> <s> </s>)
 encode: one line of space-separated pieces per input line; blank lines stay blank
         (they are the document boundaries of the corpus)
+
+Every model argument also takes a Hugging Face tokenizer.json (told apart by its content: a
+JSON object with a "model" key), e.g. the one of a model imported by scripts/import_hf.py;
+its tokens (without special tokens, truncation or padding) are written the same way.
 """
 
 import collections
 import itertools
+import json
 import multiprocessing
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -72,16 +77,75 @@ def write_fairseq_dict(model, path):
 def check_model(path):
     """Load the model once here, so that a wrong file stops with one line before any work
     (and before any worker process could fail on it)."""
-    path = require_file(path, "sentencepiece model")
+    path = _require_model(path)
     try:
         _load(path)
     except (RuntimeError, OSError) as e:
-        bad_input(path, None, f"not a sentencepiece model ({e}); give the spm.model of spm.sh train")
+        bad_input(
+            path,
+            None,
+            f"not a sentencepiece model ({e}) nor a tokenizer.json; give the spm.model of spm.sh train "
+            "or the tokenizer.json of a model imported from transformers",
+        )
     return path
 
 
+def add_model_argument(p):
+    """--spm-model (or --tokenizer): the tasks' text encoder, for glue.sh and imdb.sh."""
+    p.add_argument(
+        "--spm-model",
+        "--tokenizer",
+        required=True,
+        type=Path,
+        help="the pretraining spm.model, or the tokenizer.json of a model imported from transformers",
+    )
+
+
+def _require_model(path):
+    """A missing file has no content to tell its kind by: its name does."""
+    return require_file(path, "tokenizer.json" if str(path).endswith(".json") else "sentencepiece model")
+
+
 def _load(path):
-    return sentencepiece.SentencePieceProcessor(model_file=str(path))
+    """The model at `path` as a function: text line -> list of token strings."""
+    if _is_tokenizer_json(path):
+        return _load_tokenizer(path)
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    return lambda line: sp.encode(line, out_type=str)
+
+
+def _is_tokenizer_json(path):
+    """True for a Hugging Face tokenizer.json, False for a file that is not JSON (a
+    sentencepiece model is a protobuf); other JSON is neither, and stops here."""
+    try:
+        content = json.loads(Path(path).read_bytes())
+    except ValueError:  # includes UnicodeDecodeError
+        return False
+    if not (isinstance(content, dict) and "model" in content):
+        bad_input(path, None, 'a JSON file, but not a tokenizer.json (no "model" key) nor a sentencepiece model')
+    return True
+
+
+def _load_tokenizer(path):
+    try:
+        import tokenizers
+    except ImportError:
+        bad_input(path, None, "encoding with a tokenizer.json needs the tokenizers library: pip install tokenizers")
+    try:
+        tokenizer = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
+        bad_input(path, None, f"not a valid tokenizer.json ({e})")
+    spaced = sorted(token for token in tokenizer.get_vocab() if token.split() != [token])
+    if spaced:
+        bad_input(
+            path,
+            None,
+            f"{len(spaced)} vocabulary tokens are empty or hold whitespace (e.g. {spaced[0]!r}): "
+            "encoded text separates tokens by spaces, so they cannot be written",
+        )
+    tokenizer.no_truncation()  # every token of a line is kept, as with sentencepiece
+    tokenizer.no_padding()
+    return lambda line: tokenizer.encode(line, add_special_tokens=False).tokens
 
 
 # The model of this process: the pool initializer only records its path, so it cannot fail;
@@ -102,14 +166,14 @@ def _processor():
 
 
 def _encode_batch(lines):
-    sp = _processor()
-    return [" ".join(sp.encode(line, out_type=str)) for line in lines]
+    tokens = _processor()
+    return [" ".join(tokens(line)) for line in lines]
 
 
 def encode(model, src, dst, workers):
     """Encode `src` into `dst` line by line, with `workers` processes, order kept."""
     dst = Path(dst)
-    model, src = require_file(model, "sentencepiece model"), require_file(src)
+    model, src = _require_model(model), require_file(src)
     recipe = Recipe("encoding", {"input": src, "model": model})
     if recipe.done(dst):
         return dst
@@ -168,7 +232,13 @@ def main():
     t.add_argument("--model-type", default="unigram", choices=["unigram", "bpe"])
     t.add_argument("--workers", type=int, default=default_workers())
     e = sub.add_parser("encode", help="encode text files into pieces")
-    e.add_argument("--model", required=True, type=Path, help="spm.model")
+    e.add_argument(
+        "--model",
+        "--tokenizer",
+        required=True,
+        type=Path,
+        help="spm.model, or the tokenizer.json of a model imported from transformers",
+    )
     e.add_argument("--inputs", required=True, type=Path, nargs="+")
     e.add_argument("--outputs", required=True, type=Path, nargs="+")
     e.add_argument("--workers", type=int, default=default_workers())

@@ -1,1 +1,1 @@
-from . import linformer_roberta  # noqa: F401
+from . import imported_roberta, linformer_roberta  # noqa: F401

@@ -29,6 +29,7 @@ from ..modules.linformer_attention import (
     LinformerSettings,
 )
 from ..modules.linformer_encoder import LinformerTransformerEncoder
+from .imported_roberta import FAIRSEQ_LAYERNORM_EPS, set_layernorm_eps
 
 
 @dataclass
@@ -123,6 +124,10 @@ class LinformerRobertaConfig(FairseqDataclass):
     shared_layer_kv_compressed: int = field(
         default=0, metadata={"help": "legacy: 1 means --compress-sharing layerwise"}
     )
+    layernorm_eps: float = field(
+        default=FAIRSEQ_LAYERNORM_EPS,
+        metadata={"help": "epsilon of every layer norm (a model imported from transformers keeps its own)"},
+    )
     ffn_chunk_size: int = field(
         default=0,
         metadata={
@@ -156,7 +161,9 @@ class LinformerRobertaModel(RobertaModel):
         roberta_base_architecture(args)  # the derived fields fairseq's TransformerEncoder reads
         if getattr(args, "quant_noise_pq", 0):
             raise ValueError("quantization noise (--quant-noise-pq) is not supported by Linformer attention")
-        return cls(args, LinformerRobertaEncoder(args, task.source_dictionary))
+        model = cls(args, LinformerRobertaEncoder(args, task.source_dictionary))
+        set_layernorm_eps(model, getattr(args, "layernorm_eps", FAIRSEQ_LAYERNORM_EPS))  # older configs lack it
+        return model
 
 
 class LinformerRobertaEncoder(RobertaEncoder):

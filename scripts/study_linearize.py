@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""What the Linformer's projection costs on a real pretrained encoder (all-MiniLM-L6-v2):
+linearize it (scripts/linearize.py) under each setting and read the fidelity it reaches.
+
+    python scripts/study_linearize.py --hf-dir work/minilm/hf --wikitext ../shared/data/wikitext-2 \\
+        --sts ../shared/data/glue/STS-B/dev.tsv --out /work/study29 [--runs NAME ...]
+
+Runs (each a linearize.py folder under OUT/runs, resumable; --runs picks some, --list names them):
+
+  long text, n = 512 (WikiText-2 train blocks; held out: the first blocks of WikiText-2 valid):
+    k = 128 (the reference: headwise, linear, avg init), 64, 256; per-layer k read from the
+    spectrum at a mean of 128; subsample init; mean pooling; kv and layerwise sharing
+  short inputs, n = 128 (STS-B dev zero-shot, mean pooling, against the teacher at n = 128):
+    k = 8, 16, 32 with each way of handling inputs shorter than n at k = 16 (slice: the first T
+    columns of E; length norm linear; resample; mean pooling)
+
+The spectrum of the teacher's attention (paper Figure 1) at n = 128, 256 and 512 comes from
+scripts/attention_spectrum.py on WikiText-2 valid. OUT/report.md, OUT/results.json and the plots
+are rewritten from whatever runs have finished (--report-only: just that).
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from linformer_tools.common import SCRIPTS_DIR, fail, markdown_table, write_text
+from linformer_tools.models import pyplot, save_figure
+from linformer_tools.study import log, sh
+
+LONG, SHORT = 512, 128
+RUNS = {  # name: (n, linearize.py flags)
+    "n512-k128": (LONG, ["--k", "128"]),
+    "n512-k64": (LONG, ["--k", "64"]),
+    "n512-k256": (LONG, ["--k", "256"]),
+    "n512-spectrum-k": (LONG, ["--k", "128", "--layer-compressed-dims", "SPECTRUM"]),
+    "n512-k128-subsample": (LONG, ["--k", "128", "--init", "subsample"]),
+    "n512-k128-mean": (LONG, ["--k", "128", "--compress-type", "mean"]),
+    "n512-k128-kv": (LONG, ["--k", "128", "--compress-sharing", "kv"]),
+    "n512-k128-layerwise": (LONG, ["--k", "128", "--compress-sharing", "layerwise"]),
+    "n128-k16-resample": (SHORT, ["--k", "16", "--compress-length-norm", "resample"]),
+    "n128-k16-slice": (SHORT, ["--k", "16", "--compress-length-norm", "none"]),
+    "n128-k16-linear": (SHORT, ["--k", "16", "--compress-length-norm", "linear"]),
+    "n128-k16-mean": (SHORT, ["--k", "16", "--compress-type", "mean"]),
+    "n128-k8-resample": (SHORT, ["--k", "8", "--compress-length-norm", "resample"]),
+    "n128-k32-resample": (SHORT, ["--k", "32", "--compress-length-norm", "resample"]),
+}
+SPECTRUM_LENGTHS = (128, 256, 512)
+
+
+def spectrum(args, n):
+    """attention_spectrum.py on the teacher at n (WikiText-2 valid in the teacher's tokens)."""
+    out = args.out / "spectrum" / f"n{n}"
+    if not (out / "spectrum.json").is_file():
+        encoded = args.out / "spectrum" / "wiki.valid.wordpiece"
+        if not encoded.is_file():
+            sh([sys.executable, "-m", "dataprep.spm", "encode", "--model", args.out / "teacher" / "tokenizer.json",
+                "--inputs", args.wikitext / "wiki.valid.tokens", "--outputs", encoded, "--workers", "1"])  # fmt: skip
+        teacher = args.out / "teacher"
+        sh([sys.executable, SCRIPTS_DIR / "attention_spectrum.py", "--checkpoint", teacher / "model.pt",
+            "--text", encoded, "--data", teacher, "--seq-len", n, "--max-sentences", args.spectrum_sequences,
+            "--index", n // 4, "--out-dir", out], out.with_suffix(".log"))  # fmt: skip
+    return json.loads((out / "spectrum.json").read_text())
+
+
+def spectrum_dims(result, mean_k, n):
+    """Per-layer k proportional to each layer's K(90%), scaled to the mean ``mean_k``, in 8..n."""
+    need = [layer["index_of_mass"] for layer in result["layers"]]
+    dims = [max(8, min(n, round(mean_k * k * len(need) / sum(need)))) for k in need]
+    return ",".join(map(str, dims))
+
+
+def run(args, name):
+    n, flags = RUNS[name]
+    folder = args.out / "runs" / name
+    if "SPECTRUM" in flags:
+        flags = [spectrum_dims(spectrum(args, n), 128, n) if f == "SPECTRUM" else f for f in flags]
+    text, valid = args.wikitext / "wiki.train.tokens", args.wikitext / "wiki.valid.tokens"
+    command = [sys.executable, SCRIPTS_DIR / "linearize.py", args.hf_dir, "--text", text, "--valid-text", valid,
+               "--max-positions", n, "--out", folder, "--no-export", *flags]  # fmt: skip
+    if n == SHORT:
+        command += ["--sts", args.sts, "--distill-steps", args.short_steps, "--batch-blocks", 16]
+    else:
+        command += ["--heads"]
+    log(f"{name}: linearize.py {' '.join(map(str, flags))}")
+    sh(command, folder.with_suffix(".log"))
+
+
+def results(args):
+    rows = {}
+    for name in RUNS:
+        report = args.out / "runs" / name / "report.json"
+        if report.is_file() and (args.out / "runs" / f"{name}.log").is_file():
+            rows[name] = json.loads(report.read_text())
+    return rows
+
+
+def table(rows):
+    lines = []
+    for name, r in rows.items():
+        stages, a = r["stages"], r["args"]
+        row = {"run": name, "k": a.get("layer_compressed_dims") or a["k"], "sharing": a["compress_sharing"],
+               "projection": a["compress_type"] if a["compress_type"] != "linear" else f"linear {a['init']}",
+               "short inputs": a["compress_length_norm"]}  # fmt: skip
+        for stage in ("converted", "transfer", "distillation"):
+            fid = stages.get(stage, {}).get("fidelity", {})
+            row[f"cosine {stage}"] = f"{fid['cosine']:.3f}" if fid else "-"
+            row[f"STS {stage}"] = f"{fid['sts']:.4f} ({fid['sts'] / r['teacher_sts']:.1%})" if "sts" in fid else None
+        row["transfer s"] = f"{stages.get('transfer', {}).get('seconds', 0):.0f}"
+        row["distillation s"] = f"{stages.get('distillation', {}).get('seconds', 0):.0f}"
+        lines.append(row)
+    return lines
+
+
+def plot_layers(rows, path):
+    """Hidden-state error by layer after each stage, one panel per n = 512 run."""
+    long = {name: r for name, r in rows.items() if name.startswith("n512")}
+    if not long:
+        return
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(long), figsize=(3.2 * len(long), 3), squeeze=False, sharey=True)
+    for ax, (name, r) in zip(axes[0], long.items()):
+        for stage, style in (("converted", ":"), ("transfer", "--"), ("distillation", "-")):
+            fid = r["stages"].get(stage, {}).get("fidelity")
+            if fid:
+                ax.plot(range(1, len(fid["hidden"]) + 1), fid["hidden"], style, label=f"{stage} ({fid['cosine']:.3f})")
+        ax.set(title=name, xlabel="layer")
+        ax.legend(fontsize=6)
+    axes[0][0].set_ylabel("relative error of the hidden states")
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def plot_heads(rows, path):
+    """Each head's attention error after distillation against how local the teacher's head is."""
+    with_heads = {name: r["heads"] for name, r in rows.items() if "heads" in r}
+    if not with_heads:
+        return
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(with_heads), figsize=(4 * len(with_heads), 3.3), squeeze=False, sharey=True)
+    for ax, (name, heads) in zip(axes[0], with_heads.items()):
+        for layer, (errors, local) in enumerate(zip(heads["error"], heads["local"]), 1):
+            ax.scatter(local, errors, s=12, label=f"layer {layer}")
+        ax.set(title=name, xlabel=f"teacher head's attention within {heads['near']} positions")
+        ax.legend(fontsize=6)
+    axes[0][0].set_ylabel("relative error of the head's output")
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def head_summary(heads, local=0.3, spread=0.1):
+    """Mean error of the local heads (share >= local) and of the spread-out ones (< spread)."""
+    pairs = [(e, s) for errors, shares in zip(heads["error"], heads["local"]) for e, s in zip(errors, shares)]
+    near = [e for e, s in pairs if s >= local]
+    far = [e for e, s in pairs if s < spread]
+    mean = lambda values: sum(values) / len(values) if values else float("nan")  # noqa: E731
+    return (
+        f"{len(near)} local heads (>= {local:.0%} within {heads['near']}): error {mean(near):.2f}; "
+        f"{len(far)} spread-out heads (< {spread:.0%}): {mean(far):.2f}"
+    )
+
+
+def plot_spectrum(spectra, path):
+    if not spectra:
+        return
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(spectra), figsize=(3.6 * len(spectra), 3.2), squeeze=False)
+    for ax, (n, result) in zip(axes[0], spectra.items()):
+        for layer in result["layers"]:
+            curve = layer["mean_curve"]
+            ax.plot(range(1, len(curve) + 1), curve, label=f"layer {layer['layer']} (90%: {layer['index_of_mass']})")
+        ax.axhline(0.9, color="grey", linestyle=":", linewidth=1)
+        ax.set(title=f"all-MiniLM-L6-v2, n={n}", xlabel="singular value index")
+        ax.legend(fontsize=6)
+    axes[0][0].set_ylabel("normalised cumulative singular value")
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def report(args):
+    rows = results(args)
+    spectra = {n: json.loads(p.read_text()) for n in SPECTRUM_LENGTHS
+               if (p := args.out / "spectrum" / f"n{n}" / "spectrum.json").is_file()}  # fmt: skip
+    plot_layers(rows, args.out / "fidelity_by_layer.png")
+    plot_spectrum(spectra, args.out / "spectrum.png")
+    plot_heads(rows, args.out / "heads.png")
+    lines = ["# Linearizing all-MiniLM-L6-v2: results", ""]
+    if spectra:
+        lines += ["K holding 90% of each layer's attention spectrum (heads' mean curve; min and max over heads):", ""]
+        spec_rows = []
+        for i in range(len(next(iter(spectra.values()))["layers"])):
+            row = {"layer": i + 1}
+            for n, result in spectra.items():
+                heads = result["layers"][i]["heads_index_of_mass"]
+                row[f"n={n}"] = f"{result['layers'][i]['index_of_mass']} ({min(heads)}-{max(heads)})"
+            spec_rows.append(row)
+        lines += [markdown_table(spec_rows), ""]
+    if rows:
+        teacher = next((r["teacher_sts"] for r in rows.values() if "teacher_sts" in r), None)
+        if teacher is not None:
+            lines += [f"Teacher STS-B dev Spearman (zero-shot, mean pooling, n=128): {teacher:.4f}", ""]
+        lines += [markdown_table(table(rows)), ""]
+        lines += [f"- {name}: {head_summary(r['heads'])}" for name, r in rows.items() if "heads" in r] + [""]
+    write_text(args.out / "report.md", "\n".join(lines))
+    write_text(args.out / "results.json", json.dumps({"runs": rows, "spectra": spectra}, indent=1, default=str) + "\n")
+    print("\n".join(lines))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hf-dir", type=Path, help="all-MiniLM-L6-v2 (scripts/fetch_minilm.sh)")
+    p.add_argument("--wikitext", type=Path, help="folder with wiki.train.tokens and wiki.valid.tokens")
+    p.add_argument("--sts", type=Path, help="GLUE STS-B dev.tsv")
+    p.add_argument("--out", type=Path, required=True, help="study folder (keep it outside the checkout)")
+    p.add_argument("--runs", nargs="+", choices=list(RUNS), help="runs to make (default: all)")
+    p.add_argument("--spectrum-sequences", type=int, default=16, help="sequences per spectrum (default: 16)")
+    p.add_argument("--short-steps", type=int, default=300, help="distillation steps at n=128 (default: 300)")
+    p.add_argument("--report-only", action="store_true", help="only rewrite the report from finished runs")
+    args = p.parse_args(argv)
+    if not args.report_only:
+        for name, path in (("--hf-dir", args.hf_dir), ("--wikitext", args.wikitext), ("--sts", args.sts)):
+            if path is None or not path.exists():
+                p.error(f"{name} {path}: missing (needed unless --report-only)")
+        if not (args.out / "teacher" / "model.pt").is_file():
+            sh([sys.executable, SCRIPTS_DIR / "import_hf.py", args.hf_dir, "--out", args.out / "teacher"])
+        for n in SPECTRUM_LENGTHS:
+            spectrum(args, n)
+        for name in args.runs or RUNS:
+            run(args, name)
+    elif not args.out.is_dir():
+        fail(f"{args.out}: no such study folder")
+    report(args)
+
+
+if __name__ == "__main__":
+    main()

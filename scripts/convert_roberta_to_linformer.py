@@ -90,7 +90,10 @@ def convert(state, args):
     """(Linformer model, its namespace, names of the new projection weights)."""
     ns = linformer_namespace(checkpoints.model_namespace(state), args)
     model = checkpoints.build_model(ns, checkpoints.vocab_size(state))
-    missing = checkpoints.load_weights(model, state["model"])
+    # the new projections' length handling is the one asked for: a RoBERTa's weights have none to
+    # restore, and a projection loads a missing one as the original example's ("none")
+    own = {key: value for key, value in model.state_dict().items() if key.endswith(".length_norm_power")}
+    missing = checkpoints.load_weights(model, {**state["model"], **own})
     new = [key for key in missing if ".compress_" in key]
     if len(new) != len(missing):
         lacking = sorted(set(missing) - set(new))[:5]

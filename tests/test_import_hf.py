@@ -272,6 +272,7 @@ def minilm(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 def test_the_real_minilm_imports_exactly(minilm, tmp_path):
     """The import matches transformers on real sentences (its own check on WikiText-2 lines, and
     sentences through the hub)."""
@@ -295,6 +296,7 @@ def test_the_real_minilm_imports_exactly(minilm, tmp_path):
 # ---------------------------------------------------------------- linearize.py
 
 
+@pytest.mark.slow
 def test_linearize_trains_the_projections_then_every_weight(tmp_path):
     """On a tiny BERT with sharp attention (queries scaled up), attention transfer lowers every
     layer's attention and hidden-state error (only E/F train: the other weights stay the
@@ -333,6 +335,7 @@ def test_linearize_trains_the_projections_then_every_weight(tmp_path):
     assert torch.equal(checkpoints.read_checkpoint(out / "checkpoint.pt")["model"][fc1], final[fc1])
 
 
+@pytest.mark.slow
 def test_a_short_linearization_of_the_real_minilm_reaches_its_fidelity(minilm, tmp_path):
     """all-MiniLM-L6-v2 at n = 128, k = 32 on the bundled WikiText-2 sample: each stage raises the
     held-out cosine of the final hidden states, to the level measured when this test was written

@@ -72,6 +72,9 @@ def test_rank_r_context_mapping_has_all_its_mass_at_index_r():
     assert (curve.diff() >= -1e-12).all()
     assert spectrum.at_index(curve, r).item() == pytest.approx(1.0, abs=1e-12)
     assert spectrum.at_index(curve, 10 * n).item() == pytest.approx(1.0)  # K beyond the columns: all of it
+    assert spectrum.index_of_mass(curve, 1.0).item() == r  # rank r: all the mass by index r, not before
+    assert spectrum.index_of_mass(torch.tensor([0.5, 0.8, 0.9, 1.0]), 0.9).item() == 3
+    assert spectrum.index_of_mass(torch.tensor([[0.95, 1.0], [0.2, 1.0]]), 0.9).tolist() == [1, 2]
 
     full = spectrum.cumulative_spectrum(torch.softmax(3 * torch.randn(n, n), dim=-1))
     assert full[r - 1].item() < 0.9
@@ -146,6 +149,12 @@ def test_binarized_text_curves_and_summary(wikitext_bin, tmp_path):
         assert (curves.diff(dim=-1) >= -1e-9).all() and torch.allclose(curves[:, -1], torch.ones(4))
         assert layer["heads_at_index"] == pytest.approx(curves[:, 7].tolist())
         assert layer["share_at_index"] == pytest.approx(curves[:, 7].mean().item())
+        assert layer["heads_index_of_mass"] == [int((c < 0.9 - 1e-9).sum()) + 1 for c in curves]
+        assert (
+            layer["mean_curve"][layer["index_of_mass"] - 1]
+            >= 0.9
+            > ([0] + layer["mean_curve"])[layer["index_of_mass"] - 1]
+        )
         assert 0 < layer["share_at_index"] < 1  # real text: P has more than 8 significant singular values
     assert (out / "spectrum.png").stat().st_size > 10_000
 

@@ -19,6 +19,7 @@ from conftest import ENV, SCRIPTS, error_line, load_script
 from conftest import call_main as call
 
 from linformer_fairseq import LinformerRobertaModel
+from linformer_fairseq.modules.linformer_attention import LENGTH_NORM_POWERS
 from linformer_tools import checkpoints
 from linformer_tools.fairseq_train import shared_flags
 
@@ -285,6 +286,8 @@ def sources(roberta, linformer, tmp_path_factory):
     for norm in ("none", "linear", "resample"):  # linear E: p = 0, p = 1, E stretched over each input
         path = made[f"linformer-linear-{norm}"] = root / f"linear-{norm}.pt"
         assert call(convert, roberta, path, "--compressed-dim", "8", "--compress-length-norm", norm) == 0
+        powers = {v.item() for k, v in torch.load(path, weights_only=True)["model"].items() if "length_norm" in k}
+        assert powers == {LENGTH_NORM_POWERS[norm]}, (norm, powers)  # what was asked, not the load's "none"
     made["linformer-layerwise-conv"] = root / "layerwise-conv.pt"  # one kernel under every layer's name
     args = ("--compressed-dim", "8", "--compress-sharing", "layerwise", "--compress-type", "conv")
     assert call(convert, roberta, made["linformer-layerwise-conv"], *args) == 0

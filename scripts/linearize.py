@@ -90,7 +90,7 @@ def shortened(blocks, fraction, generator):
 # ---------------------------------------------------------------- models
 
 
-def load(path, train=False):
+def load(path):
     """(fairseq model, its namespace) from a checkpoint; eval mode (distillation runs without dropout)."""
     state = checkpoints.read_checkpoint(path)
     ns = checkpoints.model_namespace(state)

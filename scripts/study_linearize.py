@@ -9,7 +9,9 @@ Runs (each a linearize.py folder under OUT/runs, resumable; --runs picks some, -
 
   long text, n = 512 (WikiText-2 train blocks; held out: the first blocks of WikiText-2 valid):
     k = 128 (the reference: headwise, linear, avg init), 64, 256; per-layer k read from the
-    spectrum at a mean of 128; subsample init; mean pooling; kv and layerwise sharing
+    spectrum at a mean of 128; then a grid at k = 128 with a shorter distillation (--grid-steps,
+    its own k = 128 reference among them): subsample init; mean pooling; convolution; kv and
+    layerwise sharing
   short inputs, n = 128 (STS-B dev zero-shot, mean pooling, against the teacher at n = 128):
     k = 8, 16, 32 with each way of handling inputs shorter than n at k = 16 (slice: the first T
     columns of E; length norm linear; resample; mean pooling)
@@ -29,15 +31,17 @@ from linformer_tools.models import pyplot, save_figure
 from linformer_tools.study import log, sh
 
 LONG, SHORT = 512, 128
-RUNS = {  # name: (n, linearize.py flags)
+RUNS = {  # name: (n, linearize.py flags); GRID: the comparison grid's shorter distillation
     "n512-k128": (LONG, ["--k", "128"]),
     "n512-k64": (LONG, ["--k", "64"]),
     "n512-k256": (LONG, ["--k", "256"]),
     "n512-spectrum-k": (LONG, ["--k", "128", "--layer-compressed-dims", "SPECTRUM"]),
-    "n512-k128-subsample": (LONG, ["--k", "128", "--init", "subsample"]),
-    "n512-k128-mean": (LONG, ["--k", "128", "--compress-type", "mean"]),
-    "n512-k128-kv": (LONG, ["--k", "128", "--compress-sharing", "kv"]),
-    "n512-k128-layerwise": (LONG, ["--k", "128", "--compress-sharing", "layerwise"]),
+    "n512-k128-grid": (LONG, ["--k", "128", "GRID"]),
+    "n512-k128-subsample": (LONG, ["--k", "128", "--init", "subsample", "GRID"]),
+    "n512-k128-mean": (LONG, ["--k", "128", "--compress-type", "mean", "GRID"]),
+    "n512-k128-kv": (LONG, ["--k", "128", "--compress-sharing", "kv", "GRID"]),
+    "n512-k128-layerwise": (LONG, ["--k", "128", "--compress-sharing", "layerwise", "GRID"]),
+    "n512-k128-conv": (LONG, ["--k", "128", "--compress-type", "conv", "GRID"]),
     "n128-k16-resample": (SHORT, ["--k", "16", "--compress-length-norm", "resample"]),
     "n128-k16-slice": (SHORT, ["--k", "16", "--compress-length-norm", "none"]),
     "n128-k16-linear": (SHORT, ["--k", "16", "--compress-length-norm", "linear"]),
@@ -75,6 +79,8 @@ def run(args, name):
     folder = args.out / "runs" / name
     if "SPECTRUM" in flags:
         flags = [spectrum_dims(spectrum(args, n), 128, n) if f == "SPECTRUM" else f for f in flags]
+    if "GRID" in flags:
+        flags = [*(f for f in flags if f != "GRID"), "--distill-steps", args.grid_steps]
     text, valid = args.wikitext / "wiki.train.tokens", args.wikitext / "wiki.valid.tokens"
     command = [sys.executable, SCRIPTS_DIR / "linearize.py", args.hf_dir, "--text", text, "--valid-text", valid,
                "--max-positions", n, "--out", folder, "--no-export", *flags]  # fmt: skip
@@ -218,6 +224,7 @@ def main(argv=None):
     p.add_argument("--runs", nargs="+", choices=list(RUNS), help="runs to make (default: all)")
     p.add_argument("--spectrum-sequences", type=int, default=16, help="sequences per spectrum (default: 16)")
     p.add_argument("--short-steps", type=int, default=300, help="distillation steps at n=128 (default: 300)")
+    p.add_argument("--grid-steps", type=int, default=100, help="distillation steps of the n=512 grid (default: 100)")
     p.add_argument("--report-only", action="store_true", help="only rewrite the report from finished runs")
     args = p.parse_args(argv)
     if not args.report_only:

@@ -158,10 +158,12 @@ LINFORMER = ["--arch", "linformer_roberta_base", "--compressed-dim", "8", "--com
 
 @pytest.fixture(scope="module")
 def roberta(corpus, tmp_path_factory):
-    """fairseq's own RoBERTa after 400 updates: it is learning the facts (its loss is falling)."""
+    """fairseq's own RoBERTa that knows the facts: it leaves the masked-LM plateau near update 500
+    (where exactly moves with package versions; at 400 it had not, and a conversion cost nothing
+    for the continuation to win back), so it trains to 800."""
     save = tmp_path_factory.mktemp("roberta")
     return fairseq_train(
-        corpus / "bin", save, "--arch", "roberta_base", *MLM, "--max-update", "400", "--total-num-update", "800"
+        corpus / "bin", save, "--arch", "roberta_base", *MLM, "--max-update", "800", "--total-num-update", "800"
     )
 
 

@@ -207,9 +207,10 @@ def parse_args(argv=None):
     parser.add_argument(
         "--compress-type", choices=COMPRESS_TYPES, default="linear", help="projection kind (default: linear)"
     )
-    parser.add_argument("--compress-length-norm", choices=tuple(LENGTH_NORM_POWERS), default="none",
-                        help="linear projections on inputs shorter than n: scale rows by (n/T)^p (default: none, "
-                             "since the avg init's rows are already means)")  # fmt: skip
+    parser.add_argument("--compress-length-norm", choices=tuple(LENGTH_NORM_POWERS), default="resample",
+                        help="linear projections on inputs shorter than n: stretch E over the T tokens (resample, the "
+                             "default: docs/linearize.md ranks it first on a real encoder) or scale its first T "
+                             "columns by (n/T)^p")  # fmt: skip
     parser.add_argument("--init", choices=INITS, default=None, help="how linear projections start (default: avg)")
     parser.add_argument(
         "--key-scale",

@@ -3,9 +3,10 @@
 linearize it (scripts/linearize.py) under each setting and read the fidelity it reaches.
 
     python scripts/study_linearize.py --hf-dir work/minilm/hf --wikitext ../shared/data/wikitext-2 \\
-        --sts ../shared/data/glue/STS-B/dev.tsv --out /work/study29 [--runs NAME ...]
+        --sts ../shared/data/glue/STS-B/dev.tsv --out /work/study29 [--runs NAME ...] \\
+        [--glue ../shared/data/glue]
 
-Runs (each a linearize.py folder under OUT/runs, resumable; --runs picks some, --list names them):
+Runs (each a linearize.py folder under OUT/runs, resumable; --runs picks some, --help lists them):
 
   long text, n = 512 (WikiText-2 train blocks; held out: the first blocks of WikiText-2 valid):
     k = 128 (the reference: headwise, linear, avg init), 64, 256; per-layer k read from the
@@ -15,6 +16,9 @@ Runs (each a linearize.py folder under OUT/runs, resumable; --runs picks some, -
   short inputs, n = 128 (STS-B dev zero-shot, mean pooling, against the teacher at n = 128):
     k = 8, 16, 32 with each way of handling inputs shorter than n at k = 16 (slice: the first T
     columns of E; length norm linear; resample; mean pooling)
+
+With --glue, the original at n = 128 and the n = 128 Linformers are finetuned on SST-2 and CoLA
+(fixed training subsets, --seeds seeds each) the same way, under OUT/finetune.
 
 The spectrum of the teacher's attention (paper Figure 1) at n = 128, 256 and 512 comes from
 scripts/attention_spectrum.py on WikiText-2 valid. OUT/report.md, OUT/results.json and the plots
@@ -26,9 +30,10 @@ import json
 import sys
 from pathlib import Path
 
-from linformer_tools.common import SCRIPTS_DIR, fail, markdown_table, write_text
+from linformer_tools import fairseq_train
+from linformer_tools.common import REPO, SCRIPTS_DIR, fail, markdown_table, write_text
 from linformer_tools.models import pyplot, save_figure
-from linformer_tools.study import log, sh
+from linformer_tools.study import GLUE_TASKS, dev_scores, finetune_flags, glue_subset, log, mean_sd, sh
 
 LONG, SHORT = 512, 128
 RUNS = {  # name: (n, linearize.py flags); GRID: the comparison grid's shorter distillation
@@ -50,6 +55,8 @@ RUNS = {  # name: (n, linearize.py flags); GRID: the comparison grid's shorter d
     "n128-k32-resample": (SHORT, ["--k", "32", "--compress-length-norm", "resample"]),
 }
 SPECTRUM_LENGTHS = (128, 256, 512)
+SHORT_RUNS = [name for name, (n, _) in RUNS.items() if n == SHORT]
+TEACHER = "teacher-n128"  # the original at n = 128, finetuned beside the n = 128 Linformers
 
 
 def spectrum(args, n):
@@ -90,6 +97,63 @@ def run(args, name):
         command += ["--heads"]
     log(f"{name}: linearize.py {' '.join(map(str, flags))}")
     sh(command, folder.with_suffix(".log"))
+
+
+def glue_data(args):
+    """SST-2 and CoLA training subsets and dev sets in the teacher's ids (OUT/glue/TASK-bin);
+    returns each task's number of training rows."""
+    subsets = args.out / "glue" / "subsets"
+    rows = {task: glue_subset(args.glue, task, args.train_rows, subsets) for task in GLUE_TASKS}
+    teacher = args.out / "teacher"
+    if not all((args.out / "glue" / f"{task}-bin").is_dir() for task in GLUE_TASKS):
+        sh([REPO / "data-prep" / "glue.sh", "--glue-dir", subsets, "--tasks", *GLUE_TASKS, "--tokenizer",
+            teacher / "tokenizer.json", "--srcdict", teacher / "dict.txt", "--destdir", args.out / "glue"])  # fmt: skip
+    return rows
+
+
+def finetune(args, name, rows):
+    """NAME (an n = 128 run's Linformer, or the teacher it was made from) finetuned on each task,
+    one log per seed under OUT/finetune/NAME."""
+    import torch
+
+    import linformer_fairseq  # noqa: F401  (allow-lists the checkpoint's types)
+    from linformer_tools.checkpoints import fairseq_train_model_flags, model_namespace
+
+    run = args.out / "runs" / (SHORT_RUNS[0] if name == TEACHER else name)
+    checkpoint = run / (f"{TEACHER}.pt" if name == TEACHER else "checkpoint.pt")
+    if not checkpoint.is_file():
+        fail(f"{checkpoint}: missing (finetuning needs the run {run.name} made first)")
+    model_flags = fairseq_train_model_flags(model_namespace(torch.load(checkpoint, weights_only=True)))
+    out = args.out / "finetune" / name
+    out.mkdir(parents=True, exist_ok=True)
+    for task in GLUE_TASKS:
+        for seed in range(1, args.seeds + 1):
+            if not (out / f"{task}-seed{seed}.log").exists():
+                log(f"{name}: {task} finetuning, seed {seed}")
+                sh([sys.executable, "-m", "fairseq_cli.train", args.out / "glue" / f"{task}-bin", *model_flags,
+                    *fairseq_train.shared_flags(cpu=True), "--clip-norm", "1.0", "--finetune-from-model", checkpoint,
+                    *finetune_flags(task, rows[task], args.finetune_epochs, args.finetune_lr, seed)],
+                   out / f"{task}-seed{seed}.log")  # fmt: skip
+
+
+def finetune_table(args):
+    """Each finetuned model's dev scores (mean ± sd over seeds) and its difference to the teacher's."""
+    import statistics
+
+    folder = args.out / "finetune"
+    names = [name for name in (TEACHER, *SHORT_RUNS) if (folder / name).is_dir()]
+    scores = {name: {task: dev_scores(folder / name, task) for task in GLUE_TASKS} for name in names}
+    lines = []
+    for name in names:
+        row = {"model": name}
+        for task, (metric, _, _) in GLUE_TASKS.items():
+            mine, base = scores[name][task], scores.get(TEACHER, {}).get(task)
+            row[f"{task} {metric}"] = mean_sd(mine)
+            if name != TEACHER:
+                gap = statistics.mean(mine) - statistics.mean(base) if mine and base else None
+                row[f"{task} vs teacher"] = "-" if gap is None else f"{gap:+.1f}"
+        lines.append(row)
+    return lines
 
 
 def results(args):
@@ -210,6 +274,12 @@ def report(args):
             lines += [f"Teacher STS-B dev Spearman (zero-shot, mean pooling, n=128): {teacher:.4f}", ""]
         lines += [markdown_table(table(rows)), ""]
         lines += [f"- {name}: {head_summary(r['heads'])}" for name, r in rows.items() if "heads" in r] + [""]
+    finetuned = finetune_table(args)
+    if finetuned:
+        how = json.loads((args.out / "finetune" / "settings.json").read_text())
+        lines += [f"Finetuned at n=128 ({how['train_rows']}-row training subsets, {how['finetune_epochs']} epochs, "
+                  f"lr {how['finetune_lr']}; dev metric after the last epoch; mean ± sd over seeds):", ""]  # fmt: skip
+        lines += [markdown_table(finetuned), ""]
     write_text(args.out / "report.md", "\n".join(lines))
     write_text(args.out / "results.json", json.dumps({"runs": rows, "spectra": spectra}, indent=1, default=str) + "\n")
     print("\n".join(lines))
@@ -225,6 +295,13 @@ def main(argv=None):
     p.add_argument("--spectrum-sequences", type=int, default=16, help="sequences per spectrum (default: 16)")
     p.add_argument("--short-steps", type=int, default=300, help="distillation steps at n=128 (default: 300)")
     p.add_argument("--grid-steps", type=int, default=100, help="distillation steps of the n=512 grid (default: 100)")
+    g = p.add_argument_group("finetuning the n=128 Linformers and their teacher on SST-2 and CoLA (with --glue)")
+    g.add_argument("--glue", type=Path, help="glue_data folder with SST-2 and CoLA (train.tsv, dev.tsv)")
+    g.add_argument("--finetune", nargs="+", choices=SHORT_RUNS, help="n=128 runs to finetune (default: all)")
+    g.add_argument("--train-rows", type=int, default=4000, help="each task's training subset, drawn with seed 0")
+    g.add_argument("--finetune-epochs", type=int, default=3, help="default: 3")
+    g.add_argument("--finetune-lr", type=float, default=1e-4, help="default: 1e-4")
+    g.add_argument("--seeds", type=int, default=3, help="finetuning seeds per model and task (default: 3)")
     p.add_argument("--report-only", action="store_true", help="only rewrite the report from finished runs")
     args = p.parse_args(argv)
     if not args.report_only:
@@ -235,8 +312,19 @@ def main(argv=None):
             sh([sys.executable, SCRIPTS_DIR / "import_hf.py", args.hf_dir, "--out", args.out / "teacher"])
         for n in SPECTRUM_LENGTHS:
             spectrum(args, n)
+        if args.glue and not all((args.glue / t / f).is_file() for t in GLUE_TASKS for f in ("train.tsv", "dev.tsv")):
+            p.error(f"--glue {args.glue}: needs {' and '.join(GLUE_TASKS)} with train.tsv and dev.tsv")
         for name in args.runs or RUNS:
             run(args, name)
+        if args.glue:
+            settings = {key: getattr(args, key) for key in ("train_rows", "finetune_epochs", "finetune_lr")}
+            made = args.out / "finetune" / "settings.json"
+            if made.is_file() and json.loads(made.read_text()) != settings:
+                fail(f"{made.parent} was finetuned with other settings ({made.read_text().strip()}): use another --out")
+            write_text(made, json.dumps(settings) + "\n")
+            rows = glue_data(args)
+            for name in (TEACHER, *(args.finetune or SHORT_RUNS)):
+                finetune(args, name, rows)
     elif not args.out.is_dir():
         fail(f"{args.out}: no such study folder")
     report(args)

@@ -16,8 +16,6 @@ checkpoint_last.pt):
 
 import argparse
 import json
-import math
-import random
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +25,18 @@ from linformer_tools import fairseq_train
 from linformer_tools.common import REPO, atomic, fail, write_text
 from linformer_tools.logs import by_update, records
 from linformer_tools.models import pyplot, save_figure
-from linformer_tools.study import context_losses, load, log, mean_sd, sh, update_cost
+from linformer_tools.study import (
+    GLUE_TASKS,
+    context_losses,
+    dev_scores,
+    finetune_flags,
+    glue_subset,
+    load,
+    log,
+    mean_sd,
+    sh,
+    update_cost,
+)
 
 DATA_PREP = REPO / "data-prep"
 
@@ -42,7 +51,6 @@ SIZES = {
 }
 RECIPE_DEFAULTS = dict(dropout=0.1, mask_prob=0.15)
 # GLUE folder -> (the metric fairseq logs for it, criterion flags, train.tsv starts with a header)
-TASKS = {"SST-2": ("accuracy", [], True), "CoLA": ("mcc", ["--report-mcc"], False)}
 
 
 def linformer(n, k=None, **changes):
@@ -146,13 +154,7 @@ def prepare_data(args, work):
 
     subsets = data / "glue-subsets"
     for task in args.tasks:
-        if not (subsets / task / "dev.tsv").exists():
-            (subsets / task).mkdir(parents=True, exist_ok=True)
-            rows = (args.glue / task / "train.tsv").read_text().splitlines(keepends=True)
-            header = rows.pop(0) if TASKS[task][2] else ""
-            train = random.Random(0).sample(rows, min(args.train_rows, len(rows)))
-            (subsets / task / "train.tsv").write_text(header + "".join(train))
-            (subsets / task / "dev.tsv").write_text((args.glue / task / "dev.tsv").read_text())
+        glue_subset(args.glue, task, args.train_rows, subsets)
     sh(
         [DATA_PREP / "glue.sh", "--glue-dir", subsets, "--tasks", *args.tasks, "--spm-model", spm / "spm.model"]
         + ["--srcdict", spm / "dict.txt", "--destdir", data / "glue", "--workers", 2]
@@ -197,30 +199,12 @@ def pretrain(args, paths, model_flags, extra_flags, out):
 
 
 def finetune(args, paths, task, model_flags, out, seed):
-    """TASK from the pretrained checkpoint: batch 32, linear decay after 6% warmup, no selection on dev."""
-    updates_per_epoch = math.ceil(min(args.train_rows, len(glue_rows(args, task))) / 32)
-    total = updates_per_epoch * args.finetune_epochs
-    metric, criterion_flags, _ = TASKS[task]
+    """TASK from the pretrained checkpoint (linformer_tools.study.finetune_flags)."""
+    train_rows = min(args.train_rows, len(glue_rows(args, task)))
     sh(
         [sys.executable, "-m", "fairseq_cli.train", paths[task], *model_flags, *size_flags(args.shape), *COMMON]
         + ["--finetune-from-model", out / "checkpoints" / "checkpoint_last.pt"]
-        + ["--task", "sentence_prediction", "--criterion", "sentence_prediction", *criterion_flags]
-        + ["--num-classes", 2, "--init-token", 0, "--separator-token", 2, "--shorten-method", "truncate"]
-        + [
-            "--dropout",
-            0.1,
-            "--attention-dropout",
-            0.1,
-            "--batch-size",
-            32,
-            "--lr",
-            args.finetune_lr,
-            "--warmup-updates",
-            max(1, total // 16),
-        ]
-        + ["--total-num-update", total, "--max-epoch", args.finetune_epochs, "--seed", seed, "--no-save"]
-        + ["--log-interval", max(1, updates_per_epoch // 2), "--best-checkpoint-metric", metric]
-        + ["--maximize-best-checkpoint-metric"],
+        + finetune_flags(task, train_rows, args.finetune_epochs, args.finetune_lr, seed),
         out / f"{task}-seed{seed}.log",
         threads=args.threads,
     )
@@ -228,7 +212,7 @@ def finetune(args, paths, task, model_flags, out, seed):
 
 def glue_rows(args, task):
     rows = (args.glue / task / "train.tsv").read_text().splitlines()
-    return rows[1:] if TASKS[task][2] else rows
+    return rows[1:] if GLUE_TASKS[task][2] else rows
 
 
 def short_input_losses(args, paths, out):
@@ -288,12 +272,6 @@ def valid_curve(log):
     return sorted(by_update(records(log, "valid"), "ppl").items())
 
 
-def dev_scores(out, task):
-    """The task's dev metric after the last epoch of each seed (no selection on dev)."""
-    found = [records(log, "valid") for log in sorted(out.glob(f"{task}-seed*.log"))]
-    return [valid[-1][TASKS[task][0]] for valid in found if valid]
-
-
 def time_updates(args, paths, out):
     """Seconds (median) and peak memory of a pretraining update at the study's batch shape."""
     model, task = load(out / "checkpoints" / "checkpoint_last.pt", paths["data_bin"])
@@ -321,7 +299,7 @@ def report(args, specs):
     def pct(a, b):
         return f"{100 * (a / b - 1):+.1f}%" if a and b else ""
 
-    metrics = [f"{task} {TASKS[task][0]} (mean ± sd)" for task in args.tasks]
+    metrics = [f"{task} {GLUE_TASKS[task][0]} (mean ± sd)" for task in args.tasks]
     header = ["run", "valid ppl", "vs RoBERTa", *(f"loss T={t}" for t in lengths), f"T={lengths[0]} minus T={n}"]
     header += [*metrics, "s/update", "peak MB", "params"]
     lines = [
@@ -395,7 +373,7 @@ def main():
     )
     arg("--books", type=Path, default=shared / "gutenberg", help="folder of plain-text books, one per *.txt")
     arg("--glue", type=Path, default=shared / "glue", help="GLUE folder with one folder per task (train.tsv, dev.tsv)")
-    arg("--tasks", nargs="+", choices=TASKS, default=list(TASKS), help="GLUE tasks to finetune on")
+    arg("--tasks", nargs="+", choices=GLUE_TASKS, default=list(GLUE_TASKS), help="GLUE tasks to finetune on")
     arg("--size", choices=SIZES, default="context", help="model size, n and pretraining recipe")
     arg("--batch", type=int, help="sequences of n tokens per update (default: the size's)")
     arg("--budget", type=int, help="pretraining updates of every run (default: the size's)")

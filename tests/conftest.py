@@ -32,7 +32,11 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable)
 
 def pytest_configure(config):
     """Under pytest-xdist's -n, each worker (its torch and the runs it starts) takes its share of
-    the cores: two workers whose runs each spread over all cores ran the quickstart 3x slower."""
+    the cores: two workers whose runs each spread over all cores ran the quickstart 3x slower.
+    The controller hands out files in the order pytest_collection_modifyitems gives, not by
+    their number of tests (xdist's default, which sent the longest file out last)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         import torch
@@ -43,11 +47,15 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Files with slow tests first, each file's tests together (its module fixtures are built
-    once): under -n --dist loadfile the workers take files in this order, and a long file taken
-    last would run alone at the end."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
+    """Files with slow tests first, the longest first (``pytest.mark.slow(minutes=M)``, the
+    minutes a file takes under -n 2; 1 when not said), each file's tests together (its module
+    fixtures are built once): under -n --dist loadfile the workers take files in this order, and
+    a long file taken last would run alone at the end."""
+    minutes = {}
+    for item in items:
+        for marker in item.iter_markers("slow"):
+            minutes[item.path] = max(minutes.get(item.path, 0), marker.kwargs.get("minutes", 1))
+    items.sort(key=lambda item: -minutes.get(item.path, 0))
 
 
 def call_main(module, *argv):

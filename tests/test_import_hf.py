@@ -335,16 +335,16 @@ def test_linearize_trains_the_projections_then_every_weight(tmp_path):
     assert torch.equal(checkpoints.read_checkpoint(out / "checkpoint.pt")["model"][fc1], final[fc1])
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=2)
 def test_a_short_linearization_of_the_real_minilm_reaches_its_fidelity(minilm, tmp_path):
-    """all-MiniLM-L6-v2 at n = 128, k = 32 on the bundled WikiText-2 sample: each stage raises the
+    """all-MiniLM-L6-v2 at n = 64, k = 16 on the bundled WikiText-2 sample: each stage raises the
     held-out cosine of the final hidden states, to the level measured when this test was written
-    (converted 0.549, transfer 0.644, distillation 0.789 on 2026-11-25; the threshold leaves room)."""
+    (converted 0.550, transfer 0.620, distillation 0.760 on 2026-11-25; the threshold leaves room)."""
     out = tmp_path / "run"
     text = SAMPLE / "wikitext-2"
     argv = [minilm, "--text", text / "wiki.train.tokens", "--valid-text", text / "wiki.valid.tokens",
-            "--valid-blocks", 8, "--max-positions", 128, "--k", 32, "--out", out, "--transfer-steps", 20,
-            "--distill-steps", 40, "--batch-blocks", 8, "--no-export"]  # fmt: skip
+            "--valid-blocks", 8, "--max-positions", 64, "--k", 16, "--out", out, "--transfer-steps", 20,
+            "--distill-steps", 30, "--batch-blocks", 8, "--no-export"]  # fmt: skip
     done = subprocess.run(
         [sys.executable, SCRIPTS / "linearize.py", *map(str, argv)], env=ENV, capture_output=True, text=True
     )
@@ -352,5 +352,5 @@ def test_a_short_linearization_of_the_real_minilm_reaches_its_fidelity(minilm, t
     stages = json.loads((out / "report.json").read_text())["stages"]
     cosines = [stages[s]["fidelity"]["cosine"] for s in ("converted", "transfer", "distillation")]
     assert cosines[0] < cosines[1] < cosines[2], cosines
-    assert cosines[2] > 0.75, cosines
+    assert cosines[2] > 0.72, cosines
     assert f"cosine {cosines[2]:.4f}" in done.stdout  # the fidelity it prints is the one it reports

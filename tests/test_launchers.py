@@ -20,7 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import linformer_fairseq  # noqa: F401  (its checkpoints load with weights_only=True)
 from linformer_tools.logs import by_update, records
 
-pytestmark = pytest.mark.slow  # end-to-end training runs
+pytestmark = pytest.mark.slow(minutes=4)  # end-to-end training runs
 
 SCRIPTS = REPO / "scripts"
 PRETRAIN, FINETUNE = SCRIPTS / "pretrain.sh", SCRIPTS / "finetune.sh"

@@ -23,7 +23,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import linformer_fairseq  # noqa: F401  (its checkpoints load with weights_only=True)
 from linformer_tools.logs import by_update, records
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(minutes=4)
 
 CLUSTER = REPO / "tests" / "slurm" / "cluster.sh"
 PRETRAIN_SBATCH, FINETUNE_SBATCH = SCRIPTS / "slurm" / "pretrain.sbatch", SCRIPTS / "slurm" / "finetune.sbatch"

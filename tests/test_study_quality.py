@@ -11,7 +11,7 @@ import sys
 import pytest
 from conftest import REPO, SAMPLE, run
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(minutes=8)
 
 
 def study(out, *extra):
@@ -98,7 +98,8 @@ def test_long_document_study_on_the_quality_studys_models(quality_study, tmp_pat
     out = tmp_path / "long"
     cmd = [sys.executable, REPO / "scripts" / "study_long_documents.py", "--quality", quality_study, "--out", out]
     cmd += ["--imdb", SAMPLE / "imdb" / "aclImdb_sample.tar.gz", "--train-size", 16, "--test-size", 8]
-    cmd += ["--valid-size", 4, "--epochs", 1, "--batch", 4, "--seeds", 2, "--factors", 2]
+    # one seed (the quality study's test covers the mean over several)
+    cmd += ["--valid-size", 4, "--epochs", 1, "--batch", 4, "--seeds", 1, "--factors", 2]
     cmd += ["--projections", "periodic", "stretch"]
     cmd += ["--continue-updates", 4, "--continue-tokens", 512, "--eval-blocks", 4]
     cmd += ["--timing-seconds", 0.5, "--jobs", 2, "--threads", 1]
@@ -110,12 +111,12 @@ def test_long_document_study_on_the_quality_studys_models(quality_study, tmp_pat
     expected.add(f"linformer-n{2 * n}-stretch")  # a RoBERTa has no projections to stretch
     assert set(results) == expected
     for name, r in results.items():
-        assert len(r["all"]) == 2 and all(0 <= a <= 100 for a in r["all"]), (name, r)
+        assert len(r["all"]) == 1 and all(0 <= a <= 100 for a in r["all"]), (name, r)
         assert r["seconds_per_update"] > 0 and r["peak_mb"] > 0
-        # the length bins (<= 64, 65-128, > 128) split the 8 test reviews, each read by both seeds
+        # the length bins (<= 64, 65-128, > 128) split the 8 test reviews, each read by the seed
         bins = r["by_length"]
         assert list(bins) == ["<= 64", "65-128", "> 128"] and sum(b["reviews"] for b in bins.values()) == 8, bins
-        assert all(len(b["accuracy"]) == (2 if b["reviews"] else 0) for b in bins.values()), bins
+        assert all(len(b["accuracy"]) == (1 if b["reviews"] else 0) for b in bins.values()), bins
     # every test review is predicted once per seed, with its whole length recorded
     rows = json.loads((out / "runs" / f"linformer-n{2 * n}" / "seed1" / "predictions.json").read_text())
     assert len(rows) == 8 and sum(length > n for length, _, _ in rows) >= 4

@@ -1,9 +1,11 @@
-"""What the studies share (scripts/study_quality.py, scripts/study_long_documents.py): running
-their steps resumably, loading a run's checkpoint, the masked-LM loss of the same tokens read
-with shorter contexts, and the cost of a training update."""
+"""What the studies share (scripts/study_quality.py, scripts/study_long_documents.py,
+scripts/study_linearize.py): running their steps resumably, loading a run's checkpoint, the
+masked-LM loss of the same tokens read with shorter contexts, the cost of a training update, and
+GLUE finetuning on fixed subsets."""
 
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -12,6 +14,10 @@ from pathlib import Path
 
 from . import measure
 from .common import fail
+from .logs import records
+
+# GLUE task: (dev metric, criterion flags, whether its train.tsv has a header)
+GLUE_TASKS = {"SST-2": ("accuracy", [], True), "CoLA": ("mcc", ["--report-mcc"], False)}
 
 
 def log(msg):
@@ -120,3 +126,38 @@ def mean_sd(values, digits=1):
         return "-"
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
     return f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f} ({', '.join(f'{v:.{digits}f}' for v in values)})"
+
+
+def glue_subset(glue, task, rows, out):
+    """OUT/TASK: the task's fixed training subset of ``rows`` (drawn with seed 0) and its whole
+    dev set; returns the number of training rows."""
+    train = (glue / task / "train.tsv").read_text().splitlines(keepends=True)
+    header = train.pop(0) if GLUE_TASKS[task][2] else ""
+    if not (out / task / "dev.tsv").exists():
+        (out / task).mkdir(parents=True, exist_ok=True)
+        (out / task / "train.tsv").write_text(header + "".join(random.Random(0).sample(train, min(rows, len(train)))))
+        (out / task / "dev.tsv").write_text((glue / task / "dev.tsv").read_text())
+    return min(rows, len(train))
+
+
+def finetune_flags(task, train_rows, epochs, lr, seed):
+    """fairseq-train's finetuning flags for a GLUE task (after --finetune-from-model): batch 32,
+    linear decay after 6% warmup, dropout 0.1, no checkpoints, the dev metric after the last
+    epoch (no selection on dev)."""
+    updates_per_epoch = math.ceil(train_rows / 32)
+    total = updates_per_epoch * epochs
+    metric, criterion_flags, _ = GLUE_TASKS[task]
+    return [
+        "--task", "sentence_prediction", "--criterion", "sentence_prediction", *criterion_flags,
+        "--num-classes", 2, "--init-token", 0, "--separator-token", 2, "--shorten-method", "truncate",
+        "--dropout", 0.1, "--attention-dropout", 0.1, "--batch-size", 32, "--lr", lr,
+        "--warmup-updates", max(1, total // 16), "--total-num-update", total, "--max-epoch", epochs,
+        "--seed", seed, "--no-save", "--log-interval", max(1, updates_per_epoch // 2),
+        "--best-checkpoint-metric", metric, "--maximize-best-checkpoint-metric",
+    ]  # fmt: skip
+
+
+def dev_scores(out, task):
+    """The task's dev metric after the last epoch of each seed's log (OUT/TASK-seed*.log)."""
+    found = [records(log, "valid") for log in sorted(out.glob(f"{task}-seed*.log"))]
+    return [valid[-1][GLUE_TASKS[task][0]] for valid in found if valid]

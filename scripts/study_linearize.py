@@ -84,6 +84,8 @@ def spectrum_dims(result, mean_k, n):
 def run(args, name):
     n, flags = RUNS[name]
     folder = args.out / "runs" / name
+    if folder.with_suffix(".log").is_file():  # finished (a rerun would replace its log)
+        return
     if "SPECTRUM" in flags:
         flags = [spectrum_dims(spectrum(args, n), 128, n) if f == "SPECTRUM" else f for f in flags]
     if "GRID" in flags:
@@ -126,7 +128,7 @@ def finetune(args, name, rows):
     model_flags = fairseq_train_model_flags(model_namespace(torch.load(checkpoint, weights_only=True)))
     out = args.out / "finetune" / name
     out.mkdir(parents=True, exist_ok=True)
-    for task in GLUE_TASKS:
+    for task in args.tasks:
         for seed in range(1, args.seeds + 1):
             if not (out / f"{task}-seed{seed}.log").exists():
                 log(f"{name}: {task} finetuning, seed {seed}")
@@ -149,9 +151,8 @@ def finetune_table(args):
         for task, (metric, _, _) in GLUE_TASKS.items():
             mine, base = scores[name][task], scores.get(TEACHER, {}).get(task)
             row[f"{task} {metric}"] = mean_sd(mine)
-            if name != TEACHER:
-                gap = statistics.mean(mine) - statistics.mean(base) if mine and base else None
-                row[f"{task} vs teacher"] = "-" if gap is None else f"{gap:+.1f}"
+            gap = statistics.mean(mine) - statistics.mean(base) if mine and base and name != TEACHER else None
+            row[f"{task} vs teacher"] = "-" if gap is None else f"{gap:+.1f}"
         lines.append(row)
     return lines
 
@@ -298,6 +299,7 @@ def main(argv=None):
     g = p.add_argument_group("finetuning the n=128 Linformers and their teacher on SST-2 and CoLA (with --glue)")
     g.add_argument("--glue", type=Path, help="glue_data folder with SST-2 and CoLA (train.tsv, dev.tsv)")
     g.add_argument("--finetune", nargs="+", choices=SHORT_RUNS, help="n=128 runs to finetune (default: all)")
+    g.add_argument("--tasks", nargs="+", choices=GLUE_TASKS, default=list(GLUE_TASKS), help="default: SST-2 CoLA")
     g.add_argument("--train-rows", type=int, default=4000, help="each task's training subset, drawn with seed 0")
     g.add_argument("--finetune-epochs", type=int, default=3, help="default: 3")
     g.add_argument("--finetune-lr", type=float, default=1e-4, help="default: 1e-4")

@@ -139,7 +139,8 @@ def finetune(args, name, rows):
 
 
 def finetune_table(args):
-    """Each finetuned model's dev scores (mean ± sd over seeds) and its difference to the teacher's."""
+    """Each finetuned model's dev scores (mean ± sd over seeds) and its difference to the
+    teacher's: (table rows, {model: {task: scores}})."""
     import statistics
 
     folder = args.out / "finetune"
@@ -154,7 +155,7 @@ def finetune_table(args):
             gap = statistics.mean(mine) - statistics.mean(base) if mine and base and name != TEACHER else None
             row[f"{task} vs teacher"] = "-" if gap is None else f"{gap:+.1f}"
         lines.append(row)
-    return lines
+    return lines, scores
 
 
 def results(args):
@@ -275,14 +276,15 @@ def report(args):
             lines += [f"Teacher STS-B dev Spearman (zero-shot, mean pooling, n=128): {teacher:.4f}", ""]
         lines += [markdown_table(table(rows)), ""]
         lines += [f"- {name}: {head_summary(r['heads'])}" for name, r in rows.items() if "heads" in r] + [""]
-    finetuned = finetune_table(args)
+    finetuned, finetune_scores = finetune_table(args)
     if finetuned:
         how = json.loads((args.out / "finetune" / "settings.json").read_text())
         lines += [f"Finetuned at n=128 ({how['train_rows']}-row training subsets, {how['finetune_epochs']} epochs, "
                   f"lr {how['finetune_lr']}; dev metric after the last epoch; mean ± sd over seeds):", ""]  # fmt: skip
         lines += [markdown_table(finetuned), ""]
     write_text(args.out / "report.md", "\n".join(lines))
-    write_text(args.out / "results.json", json.dumps({"runs": rows, "spectra": spectra}, indent=1, default=str) + "\n")
+    everything = {"runs": rows, "spectra": spectra, "finetune": finetune_scores}
+    write_text(args.out / "results.json", json.dumps(everything, indent=1, default=str) + "\n")
     print("\n".join(lines))
 
 

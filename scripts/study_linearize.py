@@ -121,10 +121,13 @@ def finetune(args, name, rows):
     import linformer_fairseq  # noqa: F401  (allow-lists the checkpoint's types)
     from linformer_tools.checkpoints import fairseq_train_model_flags, model_namespace
 
-    run = args.out / "runs" / (SHORT_RUNS[0] if name == TEACHER else name)
-    checkpoint = run / (f"{TEACHER}.pt" if name == TEACHER else "checkpoint.pt")
+    if name == TEACHER:  # every n = 128 run holds the same one
+        made = [path for run in SHORT_RUNS if (path := args.out / "runs" / run / f"{TEACHER}.pt").is_file()]
+        checkpoint = made[0] if made else args.out / "runs" / SHORT_RUNS[0] / f"{TEACHER}.pt"
+    else:
+        checkpoint = args.out / "runs" / name / "checkpoint.pt"
     if not checkpoint.is_file():
-        fail(f"{checkpoint}: missing (finetuning needs the run {run.name} made first)")
+        fail(f"{checkpoint}: missing (finetuning needs the run {checkpoint.parent.name} made first)")
     model_flags = fairseq_train_model_flags(model_namespace(torch.load(checkpoint, weights_only=True)))
     out = args.out / "finetune" / name
     out.mkdir(parents=True, exist_ok=True)

@@ -107,7 +107,8 @@ CORE = 10
 
 
 def prepare_data(args, work):
-    """Corpus, sentencepiece, data-bin and the GLUE subsets under work/; returns paths."""
+    """Corpus, sentencepiece, data-bin and the GLUE subsets under work/; returns their paths and
+    each task's number of training rows (train_rows)."""
     data = work / "data"
     data.mkdir(parents=True, exist_ok=True)
     wt, books = args.wikitext, args.books
@@ -153,8 +154,7 @@ def prepare_data(args, work):
     )
 
     subsets = data / "glue-subsets"
-    for task in args.tasks:
-        glue_subset(args.glue, task, args.train_rows, subsets)
+    rows = {task: glue_subset(args.glue, task, args.train_rows, subsets) for task in args.tasks}
     sh(
         [DATA_PREP / "glue.sh", "--glue-dir", subsets, "--tasks", *args.tasks, "--spm-model", spm / "spm.model"]
         + ["--srcdict", spm / "dict.txt", "--destdir", data / "glue", "--workers", 2]
@@ -163,6 +163,7 @@ def prepare_data(args, work):
     return {
         "data_bin": ":".join(map(str, shards)) or str(data / "data-bin"),
         **{task: data / "glue" / f"{task}-bin" for task in args.tasks},
+        "train_rows": rows,
     }
 
 
@@ -200,19 +201,13 @@ def pretrain(args, paths, model_flags, extra_flags, out):
 
 def finetune(args, paths, task, model_flags, out, seed):
     """TASK from the pretrained checkpoint (linformer_tools.study.finetune_flags)."""
-    train_rows = min(args.train_rows, len(glue_rows(args, task)))
     sh(
         [sys.executable, "-m", "fairseq_cli.train", paths[task], *model_flags, *size_flags(args.shape), *COMMON]
         + ["--finetune-from-model", out / "checkpoints" / "checkpoint_last.pt"]
-        + finetune_flags(task, train_rows, args.finetune_epochs, args.finetune_lr, seed),
+        + finetune_flags(task, paths["train_rows"][task], args.finetune_epochs, args.finetune_lr, seed),
         out / f"{task}-seed{seed}.log",
         threads=args.threads,
     )
-
-
-def glue_rows(args, task):
-    rows = (args.glue / task / "train.tsv").read_text().splitlines()
-    return rows[1:] if GLUE_TASKS[task][2] else rows
 
 
 def short_input_losses(args, paths, out):

@@ -210,6 +210,8 @@ def test_conversion_copies_every_roberta_weight_and_head(roberta, corpus, tmp_pa
     new = set(out["model"]) - set(state["model"])
     assert new == {f"encoder.sentence_encoder.layers.{i}.self_attn.compress_{kv}.{what}"
                    for i in range(2) for kv in "kv" for what in ("weight", "length_norm_power")}  # fmt: skip
+    powers = {v.item() for k, v in out["model"].items() if k.endswith("length_norm_power")}
+    assert powers == {LENGTH_NORM_POWERS["resample"]}, powers  # the converter's default for short inputs
     # the avg init: rows average windows of n/k = 4 positions; keys scaled by n/k (--key-scale window)
     E, F = (out["model"][f"encoder.sentence_encoder.layers.0.self_attn.compress_{kv}.weight"] for kv in "kv")
     window = torch.arange(N) // 4

@@ -9,13 +9,14 @@ linearize it (scripts/linearize.py) under each setting and read the fidelity it 
 Runs (each a linearize.py folder under OUT/runs, resumable; --runs picks some, --help lists them):
 
   long text, n = 512 (WikiText-2 train blocks; held out: the first blocks of WikiText-2 valid):
-    k = 128 (the reference: headwise, linear, avg init), 64, 256; per-layer k read from the
+    k = 128 (the reference: headwise, linear, avg init), 64, 256, 32; per-layer k read from the
     spectrum at a mean of 128; then a grid at k = 128 with a shorter distillation (--grid-steps,
     its own k = 128 reference among them): subsample init; mean pooling; convolution; kv and
     layerwise sharing
   short inputs, n = 128 (STS-B dev zero-shot, mean pooling, against the teacher at n = 128):
     k = 8, 16, 32 with each way of handling inputs shorter than n at k = 16 (slice: the first T
-    columns of E; length norm linear; resample; mean pooling)
+    columns of E; length norm linear; resample; mean pooling); two remedies at k = 16 (direct:
+    no attention transfer; short: three quarters of the distillation blocks cut short)
 
 With --glue, the original at n = 128 and the n = 128 Linformers are finetuned on SST-2 and CoLA
 (fixed training subsets, --seeds seeds each) the same way, under OUT/finetune.
@@ -40,6 +41,7 @@ RUNS = {  # name: (n, linearize.py flags); GRID: the comparison grid's shorter d
     "n512-k128": (LONG, ["--k", "128"]),
     "n512-k64": (LONG, ["--k", "64"]),
     "n512-k256": (LONG, ["--k", "256"]),
+    "n512-k32": (LONG, ["--k", "32"]),
     "n512-spectrum-k": (LONG, ["--k", "128", "--layer-compressed-dims", "SPECTRUM"]),
     "n512-k128-grid": (LONG, ["--k", "128", "GRID"]),
     "n512-k128-subsample": (LONG, ["--k", "128", "--init", "subsample", "GRID"]),
@@ -53,6 +55,9 @@ RUNS = {  # name: (n, linearize.py flags); GRID: the comparison grid's shorter d
     "n128-k16-mean": (SHORT, ["--k", "16", "--compress-type", "mean"]),
     "n128-k8-resample": (SHORT, ["--k", "8", "--compress-length-norm", "resample"]),
     "n128-k32-resample": (SHORT, ["--k", "32", "--compress-length-norm", "resample"]),
+    # remedies for short inputs: no transfer on full WikiText blocks; most distillation blocks cut short
+    "n128-k16-direct": (SHORT, ["--k", "16", "--transfer-steps", "0"]),
+    "n128-k16-short": (SHORT, ["--k", "16", "--short-fraction", "0.75"]),
 }
 SPECTRUM_LENGTHS = (128, 256, 512)
 SHORT_RUNS = [name for name, (n, _) in RUNS.items() if n == SHORT]

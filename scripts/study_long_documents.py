@@ -1,53 +1,96 @@
 """Long-document study: on IMDB, does a model that reads whole reviews beat one that reads their
 truncated n tokens? (docs/long_documents.md has the method and the results.)
 
-It starts from a finished quality study (scripts/study_quality.py --out QUALITY: its data and the
-RoBERTa and Linformer it pretrained at n) and goes the README's long path with the launchers:
+Two kinds of models, one mode each:
+
+  --hf-dir HF_DIR   an encoder imported from transformers (all-MiniLM-L6-v2: n = 512). The
+                    original reads n tokens (head, and head+tail truncation) and is extended to
+                    n' with full attention (scripts/extend_max_positions.py, positions copied
+                    periodically); Linformers of it are made at each n' by scripts/linearize.py
+                    on IMDB's unlabeled reviews, the teacher being the original extended to n'
+                    the same way, with each k of --ks (a number, or n/D: k growing with n')
+  --quality DIR     the RoBERTa and Linformer a quality study (scripts/study_quality.py --out
+                    DIR) pretrained at n: each extended to n' and pretrained further at n'
+                    (scripts/pretrain.sh --from CHECKPOINT extend), a Linformer for each
+                    --projections way of extending its projections
+
+--control adds, for each model trained further before reading whole reviews, the same further
+training at n followed by head+tail truncation: whatever it gains is not from reading more.
+Folders of further training carry its length (-uUPDATES, -sSTEPS), so another length is
+another run.
+
+Steps, each skipped when its output exists (a killed study resumes where it stopped):
 
 1. data: a fixed stratified IMDB subset (data-prep/imdb.sh --train-size/--test-size), reviews
-   kept whole, with the quality study's sentencepiece model and dictionary;
-2. for each model and factor f (and for a Linformer each --projections way of extending its
-   projections): scripts/extend_max_positions.py to n' = f n, the masked-LM
-   loss at T = n and T = n' on validation blocks of n' tokens, continued pretraining at n'
-   (scripts/pretrain.sh --from CHECKPOINT extend), and the losses again;
-3. runs: each model at n with head and with head+tail truncation (first n/4 tokens, the rest
-   from the end, as Sun et al. 2019 at 512), and each extended model at n' (reviews longer than
-   n' cut head+tail), finetuned with scripts/finetune.sh imdb over several seeds; each final
-   model predicts the test subset: accuracy overall and split by review length (<= n, > n);
-4. the cost of a training update of each model at the length it reads, measured alone after the
-   runs (linformer_tools.study.update_cost), and OUT/report.md, OUT/results.json and
-   OUT/accuracy_by_length.png.
-
-Every step is skipped when its output exists, so a killed study resumes where it stopped.
+   kept whole, in the models' tokens (and with --hf-dir, train/unsup as text for linearize.py);
+2. the models each run finetunes (above);
+3. runs: finetuned with scripts/finetune.sh imdb over --seeds seeds (reviews longer than the
+   model reads cut head+tail: the first n/4 tokens and the rest from the end, as Sun et al.
+   2019); each final model predicts the test subset: accuracy overall and by review length;
+4. the cost at the length each run reads, measured alone after the runs: seconds per
+   finetuning update and its peak memory (--batch documents), documents per second when
+   predicting; OUT/report.md, OUT/results.json and OUT/accuracy_by_length.png.
 """
 
 import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from linformer_tools import checkpoints
 from linformer_tools.common import REPO, fail, write_text
 from linformer_tools.models import pyplot, save_figure
-from linformer_tools.study import context_losses, load, log, mean_sd, sh, update_cost
+from linformer_tools.study import context_losses, finetuning_cost, load, log, mean_sd, sh
 
 SCRIPTS = REPO / "scripts"
 
 
+@dataclass
+class Run:
+    """A finetuning run: the checkpoint it starts from (``pretrained()`` makes it if missing),
+    the length it reads and how longer reviews are cut, and what the further training recorded
+    (losses.json of continued pretraining, report.json of a linearization) if any."""
+
+    pretrained: Callable[[], Path]
+    reads: int
+    truncation: str
+    record: Path = None
+
+
+# ---------------------------------------------------------------- data and the models at n
+
+
 def prepare_imdb(args):
-    quality = args.quality / "data"
-    dest = args.out / "data"
+    if args.hf_dir:
+        encoder, srcdict = args.original / "tokenizer.json", args.original / "dict.txt"
+        unlabeled = ["--unlabeled", args.unlabeled]
+    else:
+        encoder, srcdict = args.quality / "data" / "spm" / "spm.model", args.quality / "data" / "spm" / "dict.txt"
+        unlabeled = []
     sh(
-        [REPO / "data-prep" / "imdb.sh", "--tarball", args.imdb, "--destdir", dest, "--workers", 2]
-        + ["--spm-model", quality / "spm" / "spm.model", "--srcdict", quality / "spm" / "dict.txt"]
+        [REPO / "data-prep" / "imdb.sh", "--tarball", args.imdb, "--destdir", args.out / "data", "--workers", 2]
+        + ["--spm-model", encoder, "--srcdict", srcdict, *unlabeled]
         + ["--train-size", args.train_size, "--test-size", args.test_size, "--valid-size", args.valid_size]
     )
-    return dest / "IMDB-bin"
+    return args.out / "data" / "IMDB-bin"
+
+
+def import_original(args):
+    """The transformers encoder as a fairseq checkpoint (OUT/original: model.pt, dict.txt, tokenizer.json)."""
+    if not (args.out / "original.log").exists():
+        log(f"importing {args.hf_dir}")
+        sh([sys.executable, SCRIPTS / "import_hf.py", args.hf_dir, "--out", args.original, "--overwrite"],
+           args.out / "original.log")  # fmt: skip
+    return args.original / "model.pt"
 
 
 def base_checkpoint(args, model):
+    if args.hf_dir:
+        return args.original / "model.pt"
     path = args.quality / "runs" / model / "checkpoints" / "checkpoint_last.pt"
     if not path.exists():
         fail(f"{path} not found: run the quality study's {model} run first (see --help)")
@@ -58,35 +101,41 @@ def model_kind(path):
     return checkpoints.model_kind(checkpoints.read_checkpoint(path), path)
 
 
-def extended_name(args, model, factor, projections):
-    """The extended model's folder and run name: MODEL-nN' (periodic projections), or with -stretch."""
-    return f"{model}-n{args.n * factor}" + ("" if projections == "periodic" else f"-{projections}")
+# ---------------------------------------------------------------- further training
 
 
-def extend_and_continue(args, model, factor, projections):
-    """The model extended to n' = factor n and continued at n'; returns its checkpoint."""
-    n, data_bin = args.n, args.data_bin
-    long_n = n * factor
-    work = args.out / "extended" / extended_name(args, model, factor, projections)
-    work.mkdir(parents=True, exist_ok=True)
-    extended, continued = work / "extended.pt", work / "continued"
-    if not (work / "extend.log").exists():
+def extended(args, model, long_n, projections="periodic"):
+    """The model extended to n' positions (no further training); returns its checkpoint."""
+    suffix = "" if projections == "periodic" else f"-{projections}"
+    path = args.out / "extended" / f"{model}-n{long_n}{suffix}.pt"
+    if not path.with_suffix(".log").exists():
         log(f"{model}: extending to n'={long_n}")
-        cmd = [sys.executable, SCRIPTS / "extend_max_positions.py", base_checkpoint(args, model), extended]
-        cmd += ["--max-positions", long_n, "--projections", projections]
-        sh(cmd, work / "extend.log", threads=args.threads)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, SCRIPTS / "extend_max_positions.py", base_checkpoint(args, model), path]
+        sh(cmd + ["--max-positions", long_n, "--projections", projections], path.with_suffix(".log"), args.threads)
+    return path
+
+
+def continued(args, model, long_n, projections):
+    """The model extended to n' (unless n' = n: the control) and pretrained args.continue_updates
+    more updates at n'; returns the checkpoint. Its folder names the continuation's length."""
+    suffix = "" if projections == "periodic" else f"-{projections}"
+    work = args.out / "continued" / f"{model}-n{long_n}{suffix}-u{args.continue_updates}"
+    work.mkdir(parents=True, exist_ok=True)
+    start = base_checkpoint(args, model) if long_n == args.n else extended(args, model, long_n, projections)
     losses = work / "losses.json"
     found = json.loads(losses.read_text()) if losses.exists() else {}
-    if "extended" not in found:
-        found["extended"] = long_losses(args, extended, long_n)
+    if "before" not in found:
+        found["before"] = long_losses(args, start, long_n)
         write_text(losses, json.dumps(found, indent=1))
+    out = work / "checkpoints"
     if not (work / "continue.log").exists():
-        log(f"{model}: continued pretraining at n'={long_n}, {args.continue_updates} updates")
+        log(f"{model}: continued pretraining at n={long_n}, {args.continue_updates} updates")
         batch = max(1, args.continue_tokens // long_n)
         every = max(1, args.continue_updates // 4)
         sh(
             [SCRIPTS / "pretrain.sh", "--cpu", "--batch-size", batch, "--global-batch", batch]
-            + ["--save-dir", continued, "--from", extended, "extend", data_bin]
+            + ["--save-dir", out, "--from", start, "extend", args.data_bin]
             + [f"optimization.max_update={args.continue_updates}", f"optimization.lr=[{args.continue_lr}]"]
             + [f"lr_scheduler.warmup_updates={max(1, args.continue_updates // 10)}", "dataset.num_workers=0"]
             + [f"checkpoint.save_interval_updates={every}", "checkpoint.keep_interval_updates=1"]
@@ -94,23 +143,78 @@ def extend_and_continue(args, model, factor, projections):
             work / "continue.log",
             threads=args.threads,
         )
-    if "continued" not in found:
-        found["continued"] = long_losses(args, continued / "checkpoint_last.pt", long_n)
+    if "after" not in found:
+        found["after"] = long_losses(args, out / "checkpoint_last.pt", long_n)
         write_text(losses, json.dumps(found, indent=1))
-    return continued / "checkpoint_last.pt"
+    return out / "checkpoint_last.pt"
 
 
 def long_losses(args, checkpoint, long_n):
     """Masked-LM bits/token on validation blocks of n' tokens read whole and cut at n."""
     model, task = load(checkpoint, args.data_bin)
-    return context_losses(model, task, long_n, (args.n, long_n), args.eval_blocks)
+    return context_losses(model, task, long_n, sorted({args.n, long_n}), args.eval_blocks)
 
 
-def finetune(args, name, checkpoint, truncation, seed):
+def linearize_folder(args, long_n, k):
+    return args.out / "linearized" / f"n{long_n}-k{k}-s{args.linearize_steps}"
+
+
+def linearized(args, long_n, k):
+    """A Linformer of the imported encoder at n' positions with projected length k, made by
+    linearize.py on IMDB's unlabeled reviews (--linearize-tokens tokens a step); returns its checkpoint."""
+    out = linearize_folder(args, long_n, k)
+    if not out.with_suffix(".log").exists():
+        log(f"linearizing at n={long_n}, k={k}, {args.linearize_steps} steps")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        blocks = max(1, args.linearize_tokens // long_n)
+        sh([sys.executable, SCRIPTS / "linearize.py", args.hf_dir, "--text", args.unlabeled, "--max-positions", long_n,
+            "--k", k, "--out", out, "--no-export", "--distill-steps", args.linearize_steps, "--batch-blocks", blocks,
+            "--transfer-steps", args.transfer_steps, "--valid-blocks", args.valid_blocks, *args.linearize_flags],
+           out.with_suffix(".log"), args.threads)  # fmt: skip
+    return out / "checkpoint.pt"
+
+
+def k_at(spec, long_n):
+    """--ks entry at n': a number, or n/D (D a divisor)."""
+    return long_n // int(spec[2:]) if spec.startswith("n/") else int(spec)
+
+
+# ---------------------------------------------------------------- runs
+
+
+def runs(args):
+    """name -> Run, in the order the report lists them."""
+    n, found = args.n, {}
+    for model in args.models:
+        base = base_checkpoint(args, model)
+        for truncation in ("head", "head_tail"):
+            found[f"{model}-n{n}-{truncation}"] = Run(lambda base=base: base, n, truncation)
+    longer = [n * f for f in args.factors]
+    if args.hf_dir:
+        for long_n in longer:  # full attention, no further training
+            found[f"original-n{long_n}"] = Run(lambda m=long_n: extended(args, "original", m), long_n, "head_tail")
+        for long_n in ([n] if args.control else []) + longer:
+            for k in dict.fromkeys(k_at(spec, long_n) for spec in args.ks):
+                name = f"linformer-n{long_n}-k{k}-s{args.linearize_steps}" + ("-head_tail" if long_n == n else "")
+                found[name] = Run(lambda m=long_n, k=k: linearized(args, m, k), long_n, "head_tail",
+                                  linearize_folder(args, long_n, k) / "report.json")  # fmt: skip
+        return found
+    for model in args.models:  # a RoBERTa has no projections: one extension
+        for long_n in ([n] if args.control else []) + longer:
+            for projections in args.projections if args.kinds[model] == "linformer" and long_n > n else ["periodic"]:
+                suffix = "" if projections == "periodic" else f"-{projections}"
+                name = f"{model}-n{long_n}{suffix}-u{args.continue_updates}" + ("-head_tail" if long_n == n else "")
+                record = args.out / "continued" / f"{model}-n{long_n}{suffix}-u{args.continue_updates}" / "losses.json"
+                make = lambda m=model, ln=long_n, p=projections: continued(args, m, ln, p)  # noqa: E731
+                found[name] = Run(make, long_n, "head_tail", record)
+    return found
+
+
+def finetune(args, name, run, seed):
     out = args.out / "runs" / name / f"seed{seed}"
     if (out / "predictions.json").exists():
         return
-    n_model = load(checkpoint, args.data_bin)[0].max_positions()
+    checkpoint = run.pretrained()
     total = -(-args.train_size // args.batch) * args.epochs
     if not (out.parent / f"seed{seed}.log").exists():
         log(f"{name}: finetuning, seed {seed}")
@@ -118,18 +222,18 @@ def finetune(args, name, checkpoint, truncation, seed):
         sh(
             [SCRIPTS / "finetune.sh", "--cpu", "--batch-size", args.batch, "--global-batch", args.batch]
             + ["--data", args.imdb_bin, "--seed", seed, "--save-dir", out, "imdb", checkpoint]
-            + [f"truncation={truncation}", f"++task.truncation_head_tokens={args.n // 4}"]
+            + [f"truncation={run.truncation}", f"++task.truncation_head_tokens={args.n // 4}"]
             + [f"optimization.max_epoch={args.epochs}", f"optimization.max_update={total}"]
             + [f"optimization.lr=[{args.lr}]", f"lr_scheduler.warmup_updates={max(1, total * 6 // 100)}"]
             # every review of a batch fits: the same reviews per update at every length
-            + [f"dataset.max_tokens={args.batch * n_model}", "dataset.num_workers=0"]
+            + [f"dataset.max_tokens={args.batch * run.reads}", "dataset.num_workers=0"]
             + ["common.log_format=simple", f"common.log_interval={max(1, total // 20)}"],
             out.parent / f"seed{seed}.log",
             threads=args.threads,
         )
     write_text(out / "predictions.json", json.dumps(predict(args, out / "checkpoint_last.pt")))
-    for checkpoint in out.glob("checkpoint*.pt"):  # the predictions are what the report needs
-        checkpoint.unlink()
+    for path in out.glob("checkpoint*.pt"):  # the predictions are what the report needs
+        path.unlink()
 
 
 def predict(args, checkpoint):
@@ -154,43 +258,30 @@ def predict(args, checkpoint):
     return rows
 
 
-def runs(args):
-    """name -> (model, extension: (factor, projections) or None, truncation, length it reads)."""
-    found = {}
-    for model in args.models:
-        for truncation in ("head", "head_tail"):
-            found[f"{model}-n{args.n}-{truncation}"] = (model, None, truncation, args.n)
-        for factor in args.factors:  # a RoBERTa has no projections: one extension
-            for projections in args.projections if args.kinds[model] == "linformer" else ["periodic"]:
-                name = extended_name(args, model, factor, projections)
-                found[name] = (model, (factor, projections), "head_tail", args.n * factor)
-    return found
-
-
-def do_run(args, name, spec):
-    model, extension, truncation, _ = spec
-    checkpoint = extend_and_continue(args, model, *extension) if extension else base_checkpoint(args, model)
+def do_run(args, name, run):
     for seed in range(1, args.seeds + 1):
-        finetune(args, name, checkpoint, truncation, seed)
+        finetune(args, name, run, seed)
 
 
-def checkpoint_of(args, model, extension):
-    """The pretrained model a run finetunes: the quality study's, or its extended continuation."""
-    if not extension:
-        return base_checkpoint(args, model)
-    return args.out / "extended" / extended_name(args, model, *extension) / "continued" / "checkpoint_last.pt"
+# ---------------------------------------------------------------- report
 
 
-def report(args, specs, trained):
+def report(args, specs):
     n = args.n
+    what = f"{args.hf_dir} (imported, n={n})" if args.hf_dir else f"pretrained at n={n} ({args.quality})"
+    further = (
+        f"linearized with {args.linearize_steps} distillation steps of {args.linearize_tokens} tokens on IMDB's "
+        f"unlabeled reviews"
+        if args.hf_dir
+        else f"continued pretraining {args.continue_updates} updates at lr {args.continue_lr}"
+    )
     lines = [
-        f"Long-document study: pretrained at n={n} ({args.quality}), IMDB {args.train_size} train / "
-        f"{args.test_size} test reviews (stratified, seed 1), {args.epochs} epochs, batch {args.batch}, "
-        f"lr {args.lr}, seeds 1..{args.seeds}; continued pretraining {args.continue_updates} updates "
-        f"at lr {args.continue_lr}.",
+        f"Long-document study: {what}, IMDB {args.train_size} train / {args.test_size} test reviews (stratified, "
+        f"seed 1), {args.epochs} epochs, batch {args.batch}, lr {args.lr}, seeds 1..{args.seeds}; {further}.",
         "",
     ]
-    lengths = [row[0] for row in predictions(args, next(iter(specs)))] or [0]
+    lengths = next((rows for name in specs if (rows := predictions(args, name))), [(0,)])
+    lengths = [row[0] for row in lengths]
     shares = ", ".join(
         f"longer than {m}: {100 * sum(x > m for x in lengths) / len(lengths):.1f}%"
         for m in sorted({n} | {n * f for f in args.factors})
@@ -199,11 +290,12 @@ def report(args, specs, trained):
     bins = length_bins(n, args.factors)
     reviews = [sum(keep(x) for x in lengths) for _, keep in bins]
     header = ["run", "reads", "truncation", "accuracy", f"<= {n} tokens", f"> {n} tokens", "s/update", "peak MB"]
-    lines += ["| " + " | ".join(header) + " |", "| --- " * len(header) + "|"]
+    lines += ["| " + " | ".join(header + ["docs/s"]) + " |", "| --- " * (len(header) + 1) + "|"]
     results = {}
-    for name, (model, extension, truncation, reads) in specs.items():
-        seeds = [predictions(args, name, s) for s in range(1, args.seeds + 1)]
-        seeds = [rows for rows in seeds if rows]
+    for name, run in specs.items():
+        seeds = [rows for s in range(1, args.seeds + 1) if (rows := predictions(args, name, s))]
+        if not seeds:  # not run yet
+            continue
 
         def accuracy(keep):  # per seed, in %; none when no review is of that length
             if not any(keep(x) for rows in seeds for x, _, _ in rows):
@@ -213,7 +305,7 @@ def report(args, specs, trained):
                 for rows in seeds
             ]
 
-        cost = cost_of(args, name, trained[model, extension], reads)
+        cost = cost_of(args, name, run)
         results[name] = dict(
             all=accuracy(lambda x: True), short=accuracy(lambda x: x <= n), long=accuracy(lambda x: x > n), **cost
         )
@@ -221,18 +313,10 @@ def report(args, specs, trained):
             label: dict(reviews=count, accuracy=accuracy(keep)) for (label, keep), count in zip(bins, reviews)
         }
         r = results[name]
-        cells = [name, str(reads), truncation, mean_sd(r["all"]), mean_sd(r["short"]), mean_sd(r["long"])]
-        lines.append("| " + " | ".join(cells + [f"{cost['seconds_per_update']:.3f}", f"{cost['peak_mb']:.0f}"]) + " |")
-    lines += ["", "Masked-LM loss (bits/token) of the extended models on validation blocks of n' tokens:", ""]
-    lines += [f"| model | n' | before: T={n} | before: T=n' | after: T={n} | after: T=n' |", "| --- " * 6 + "|"]
-    for model, extension in trained:
-        if extension:
-            name = extended_name(args, model, *extension)
-            found = json.loads((args.out / "extended" / name / "losses.json").read_text())
-            before, after = ({int(k): v for k, v in found[s].items()} for s in ("extended", "continued"))
-            long_n = n * extension[0]
-            cells = [name, long_n, before[n], before[long_n], after[n], after[long_n]]
-            lines.append("| " + " | ".join(f"{c:.3f}" if isinstance(c, float) else str(c) for c in cells) + " |")
+        cells = [name, str(run.reads), run.truncation, mean_sd(r["all"]), mean_sd(r["short"]), mean_sd(r["long"])]
+        cells += [f"{cost['seconds_per_update']:.3f}", f"{cost['peak_mb']:.0f}", f"{cost['documents_per_second']:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += further_training(args, specs, results)
     lines += ["", "Accuracy (mean of seeds) by review length, in tokens with <s> and </s>:", ""]
     lines += ["| run | " + " | ".join(label for label, _ in bins) + " |", "| --- " * (len(bins) + 1) + "|"]
     lines.append("| reviews | " + " | ".join(map(str, reviews)) + " |")
@@ -243,6 +327,40 @@ def report(args, specs, trained):
     write_text(args.out / "results.json", json.dumps(results, indent=1))
     plot_by_length(results, args.out / "accuracy_by_length.png", n)
     print("\n".join(lines))
+
+
+def further_training(args, specs, results):
+    """The report's table of what the further training did (each record also goes to results)."""
+    made = {name: run for name, run in specs.items() if run.record and run.record.exists()}
+    if not made:
+        return []
+    if args.hf_dir:
+        lines = ["", "Linearization (linearize.py) at the length each run reads: mean cosine of the final hidden "
+                 "states to the teacher's on held-out blocks, after each stage, and minutes per stage:", "",
+                 "| run | converted | transfer | distillation | minutes |", "| --- " * 5 + "|"]  # fmt: skip
+        for name, run in made.items():
+            stages = json.loads(run.record.read_text())["stages"]
+            if name in results:  # finetuned
+                results[name]["linearize"] = {s: v["fidelity"]["cosine"] for s, v in stages.items()}
+            cosines = [f"{stages[s]['fidelity']['cosine']:.3f}" if s in stages else "-" for s in
+                       ("converted", "transfer", "distillation")]  # fmt: skip
+            minutes = sum(v.get("seconds", 0) for v in stages.values()) / 60
+            lines.append(f"| {name} | " + " | ".join(cosines) + f" | {minutes:.1f} |")
+        return lines
+    n = args.n
+    lines = ["", "Masked-LM loss (bits/token) on validation blocks of the length each run reads, read whole and "
+             f"cut into pieces of {n}, before and after the further pretraining:", "",
+             f"| run | before: T={n} | before: T=n' | after: T={n} | after: T=n' |", "| --- " * 5 + "|"]  # fmt: skip
+    for name, run in made.items():
+        found = json.loads(run.record.read_text())
+        if "after" not in found:
+            continue
+        before, after = ({int(k): v for k, v in found[s].items()} for s in ("before", "after"))
+        if name in results:
+            results[name]["losses"] = found
+        cells = [before[args.n], before[run.reads], after[args.n], after[run.reads]]
+        lines.append(f"| {name} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+    return lines
 
 
 def length_bins(n, factors):
@@ -261,7 +379,7 @@ def plot_by_length(results, path, n):
         style = dict(linestyle="--") if f"-n{n}-" in name else dict(linewidth=2.5)  # truncated runs dashed
         ax.plot(*zip(*points), marker="o", label=name, **style)
     ax.set(xlabel="review length in tokens (reviews)", ylabel="test accuracy, mean of seeds (%)")
-    ax.set_title(f"IMDB accuracy by review length (pretrained at n={n}; dashed: truncated to n)")
+    ax.set_title(f"IMDB accuracy by review length (dashed: reads n={n} tokens)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, path)
@@ -272,32 +390,29 @@ def predictions(args, name, seed=1):
     return json.loads(path.read_text()) if path.exists() else []
 
 
-def cost_of(args, name, checkpoint, reads):
-    """Timing of an update at the length the run reads, measured once per model and length."""
+def cost_of(args, name, run):
+    """Finetuning and prediction cost at the length the run reads, measured once per run."""
     path = args.out / "timing" / f"{name}.json"
     if not path.exists():
-        model, task = load(checkpoint, args.data_bin)
-        write_text(path, json.dumps(update_cost(model, task, args.batch, reads, args.timing_seconds)))
+        model, task = load(run.pretrained(), args.original if args.hf_dir else args.data_bin)  # its dict.txt
+        write_text(path, json.dumps(finetuning_cost(model, task, args.batch, run.reads, args.timing_seconds)))
     return json.loads(path.read_text())
 
 
-def main():
+# ---------------------------------------------------------------- command line
+
+
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     shared = REPO.parent / "shared" / "data"
     a = p.add_argument
-    a("--quality", type=Path, required=True, help="a quality study's --out folder with runs/roberta and runs/linformer")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--hf-dir", type=Path, help="a transformers encoder folder (e.g. all-MiniLM-L6-v2)")
+    mode.add_argument("--quality", type=Path, help="a quality study's --out folder (runs/roberta, runs/linformer)")
     a("--imdb", type=Path, default=shared / "imdb" / "aclImdb_v1_text.tar.gz", help="aclImdb_v1 tarball")
     a("--out", type=Path, default=REPO / "work" / "long", help="output folder (default: work/long)")
-    a("--models", nargs="+", default=["roberta", "linformer"], help="runs of the quality study to extend")
     a("--factors", nargs="+", type=int, default=[4], help="n' = factor x n (default: 4)")
-    a(
-        "--projections",
-        nargs="+",
-        choices=["periodic", "stretch"],
-        default=["periodic"],
-        help="how a Linformer's projections are extended (extend_max_positions.py --projections); "
-        "each is its own run, named MODEL-nN'-stretch for stretch (default: periodic)",
-    )
+    a("--control", action="store_true", help="also each model's further training at n, then head+tail truncation")
     a("--train-size", type=int, default=1000, help="IMDB training reviews, half of each class (default: 1000)")
     a("--test-size", type=int, default=1000, help="IMDB test reviews, half of each class (default: 1000)")
     a("--valid-size", type=int, default=200, help="training reviews held out for fairseq's validation")
@@ -305,40 +420,78 @@ def main():
     a("--batch", type=int, default=8, help="reviews per update (default: 8)")
     a("--lr", type=float, default=1e-4, help="finetuning peak lr (default: 1e-4)")
     a("--seeds", type=int, default=3, help="finetuning seeds (default: 3)")
-    a("--continue-updates", type=int, default=500, help="continued pretraining at n' (default: 500)")
-    a("--continue-lr", type=float, default=1e-4, help="its peak lr (default: 1e-4)")
-    a("--continue-tokens", type=int, default=4096, help="tokens per continued-pretraining update (default: 4096)")
-    a("--eval-blocks", type=int, default=50, help="validation blocks of n' tokens for the loss table (default: 50)")
+    g = p.add_argument_group("--hf-dir: linearization (scripts/linearize.py)")
+    g.add_argument("--ks", nargs="+", default=["128", "n/4"], help="k at each n': a number or n/D (default: 128 n/4)")
+    g.add_argument("--linearize-steps", type=int, default=300, help="distillation steps (default: 300)")
+    g.add_argument("--linearize-tokens", type=int, default=2048, help="tokens a distillation step (default: 2048)")
+    g.add_argument("--transfer-steps", type=int, default=100, help="attention transfer steps a layer (default: 100)")
+    g.add_argument("--valid-blocks", type=int, default=8, help="held-out blocks for the fidelity (default: 8)")
+    g.add_argument("--linearize-flags", nargs=argparse.REMAINDER, default=[],
+                   help="the rest of the command line goes to linearize.py")  # fmt: skip
+    g = p.add_argument_group("--quality")
+    g.add_argument("--models", nargs="+", default=["roberta", "linformer"], help="runs of the quality study to extend")
+    g.add_argument(
+        "--projections",
+        nargs="+",
+        choices=["periodic", "stretch"],
+        default=["periodic"],
+        help="how a Linformer's projections are extended (extend_max_positions.py --projections); "
+        "each is its own run, named MODEL-nN'-stretch-u... for stretch (default: periodic)",
+    )
+    g.add_argument("--continue-updates", type=int, default=500, help="continued pretraining updates (default: 500)")
+    g.add_argument("--continue-lr", type=float, default=1e-4, help="its peak lr (default: 1e-4)")
+    g.add_argument("--continue-tokens", type=int, default=4096, help="tokens per continued update (default: 4096)")
+    g.add_argument("--eval-blocks", type=int, default=50, help="validation blocks for the loss table (default: 50)")
     a("--jobs", type=int, default=1, help="runs at once, each on --threads threads (default: 1)")
     a("--threads", type=int, default=0, help="threads per process, 0 for torch's default")
-    a("--timing-seconds", type=float, default=10, help="timed updates per model last at least this long (default: 10)")
+    a("--timing-seconds", type=float, default=10, help="timed updates per run last at least this long (default: 10)")
     a("--report-only", action="store_true", help="only write the report of what has finished")
     args = p.parse_args()
-    for name in ("train_size", "test_size", "valid_size", "epochs", "batch", "seeds", "continue_updates", "jobs"):
+    positive = ["train_size", "test_size", "valid_size", "epochs", "batch", "seeds", "continue_updates", "jobs"]
+    for name in positive + ["linearize_steps", "linearize_tokens", "valid_blocks"]:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.timing_seconds <= 0:
         p.error("--timing-seconds must be > 0")
     if any(f < 2 for f in args.factors):
         p.error("--factors must be >= 2 (n' = factor x n)")
+    for spec in args.ks:
+        if not (spec.isdigit() and int(spec) > 0 or spec.startswith("n/") and spec[2:].isdigit() and int(spec[2:]) > 0):
+            p.error(f"--ks {spec}: expected a positive number or n/D")
     if not args.imdb.is_file():
         p.error(f"--imdb {args.imdb} not found")
-    args.quality, args.out = args.quality.resolve(), args.out.resolve()
-    args.data_bin = next(iter(sorted((args.quality / "data" / "data-bin").glob("shard*"))), None)
-    if args.data_bin is None:
-        p.error(f"--quality {args.quality} has no data/data-bin/shard*: not a quality study's folder")
-    base, _ = load(base_checkpoint(args, args.models[0]), args.data_bin)
-    args.n = base.max_positions()
+    if args.hf_dir and not (args.hf_dir / "config.json").is_file():
+        p.error(f"--hf-dir {args.hf_dir}: no config.json (not a transformers model folder)")
+    return args
+
+
+def main():
+    args = parse_args()
+    args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    args.imdb_bin = prepare_imdb(args)
+    if args.hf_dir:
+        args.hf_dir, args.models, args.data_bin = args.hf_dir.resolve(), ["original"], None
+        args.original, args.unlabeled = args.out / "original", args.out / "unsup.txt"
+        import_original(args)
+    else:
+        args.quality = args.quality.resolve()
+        args.data_bin = next(iter(sorted((args.quality / "data" / "data-bin").glob("shard*"))), None)
+        if args.data_bin is None:
+            fail(f"--quality {args.quality} has no data/data-bin/shard*: not a quality study's folder")
     args.kinds = {m: model_kind(base_checkpoint(args, m)) for m in args.models}
+    base = checkpoints.read_checkpoint(base_checkpoint(args, args.models[0]))
+    args.n = checkpoints.model_namespace(base).max_positions
+    for spec in args.ks if args.hf_dir else []:
+        for long_n in [args.n * f for f in args.factors]:
+            if not 0 < k_at(spec, long_n) <= long_n:
+                fail(f"--ks {spec} gives k = {k_at(spec, long_n)} at n' = {long_n}: k must be in 1..n'")
+    args.imdb_bin = prepare_imdb(args)
     specs = runs(args)
     if not args.report_only:
         with ThreadPoolExecutor(args.jobs) as pool:
-            for done in [pool.submit(do_run, args, name, spec) for name, spec in specs.items()]:
+            for done in [pool.submit(do_run, args, name, run) for name, run in specs.items()]:
                 done.result()
-    trained = {(model, ext): checkpoint_of(args, model, ext) for model, ext, _, _ in specs.values()}
-    report(args, specs, trained)
+    report(args, specs)
 
 
 if __name__ == "__main__":

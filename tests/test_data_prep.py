@@ -600,6 +600,7 @@ def test_imdb_reviews_and_fixed_valid_split(sample, tmp_path):
     out, _ = sample
     make_imdb_tarball(tmp_path / "aclImdb_v1.tar.gz")
     reviews = imdb.read_reviews(tmp_path / "aclImdb_v1.tar.gz")
+    assert set(reviews) == {"train", "test"}  # train/unsup only when asked for
     assert reviews["test"] == [("neg", f"test neg review {i}. Second line.") for i in range(3)] + [
         ("pos", f"test pos review {i}. Second line.") for i in range(3)
     ]
@@ -631,7 +632,10 @@ def test_imdb_reviews_and_fixed_valid_split(sample, tmp_path):
         tmp_path,
         "--workers",
         1,
+        "--unlabeled",
+        tmp_path / "unsup.txt",
     )
+    assert (tmp_path / "unsup.txt").read_text() == "an unlabelled review\n"
     meta = json.loads((tmp_path / "IMDB-bin/meta.json").read_text())
     assert meta["rows"] == {"train": 4, "valid": 2, "test": 6} and meta["classes"] == ["neg", "pos"]
     d, labels = fairseq_dataset(tmp_path / "IMDB-bin/label/valid")
@@ -796,6 +800,8 @@ def test_imdb_wrong_layout(tmp_path):
         tar.addfile(info, io.BytesIO(b""))
     with pytest.raises(PrepError, match="no aclImdb/train/neg/.*not the aclImdb_v1 layout"):
         imdb.read_reviews(tmp_path / "x.tar.gz")
+    with pytest.raises(PrepError, match="no aclImdb/train/unsup/.*for --unlabeled"):
+        imdb.read_reviews(SAMPLE / "imdb/aclImdb_sample.tar.gz", unlabeled=True)
     (tmp_path / "y.tar.gz").write_bytes(b"not a tarball")
     with pytest.raises(PrepError, match="y.tar.gz: cannot read the tar archive"):
         imdb.read_reviews(tmp_path / "y.tar.gz")

@@ -4,6 +4,7 @@ to predictions on whole reviews at n' = 4n: extend_max_positions.py -> pretrain.
 task itself: tests/test_truncation.py). Data: the bundled sample (data/sample/imdb: 48 real
 reviews in the aclImdb layout) through data-prep, as a user's would go."""
 
+import json
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 from conftest import ENV, SCRIPTS
 
+from linformer_tools import checkpoints
 from linformer_tools.common import REPO, SAMPLE
 from linformer_tools.logs import records
 
@@ -146,3 +148,56 @@ def test_the_long_path_from_n_to_whole_reviews_at_4n(data, tmp_path):
     too_long = torch.cat([review] * 2)
     with pytest.raises(Exception, match=str(LONG_N)):  # past n': an error naming the model's length
         hub.predict(head, too_long)
+
+
+def tarball_with_unlabeled(path):
+    """The bundled reviews plus a train/unsup of WikiText-2 sample paragraphs (aclImdb's layout)."""
+    import io
+    import tarfile
+
+    with tarfile.open(SAMPLE / "imdb/aclImdb_sample.tar.gz") as source, tarfile.open(path, "w:gz") as tar:
+        for member in source:
+            tar.addfile(member, source.extractfile(member) if member.isfile() else None)
+        lines = [line for line in (SAMPLE / "wikitext-2/wiki.train.tokens").read_text().splitlines() if len(line) > 200]
+        for i, line in enumerate(lines):
+            info = tarfile.TarInfo(f"aclImdb/train/unsup/{i}_0.txt")
+            info.size = len(line.encode())
+            tar.addfile(info, io.BytesIO(line.encode()))
+    return path
+
+
+@pytest.mark.slow(minutes=3)
+def test_long_document_study_of_an_imported_encoder(tmp_path):
+    """--hf-dir on a tiny BERT (n = 64): the original truncated and extended to n' = 128 with full
+    attention, a Linformer linearized at n' (k = n'/4) on the unlabeled reviews, each finetuned
+    and predicting every test review; the linearization's fidelity and each run's cost are
+    reported, and a rerun redoes nothing. (--control: tests/test_study_quality.py.)"""
+    from test_import_hf import save_tiny
+
+    hf = save_tiny(tmp_path / "hf", "bert", head=False)
+    out = tmp_path / "long"
+    cmd = [sys.executable, SCRIPTS / "study_long_documents.py", "--hf-dir", hf, "--out", out]
+    cmd += ["--imdb", tarball_with_unlabeled(tmp_path / "imdb.tar.gz"), "--train-size", 16, "--test-size", 8]
+    cmd += ["--valid-size", 4, "--epochs", 1, "--batch", 4, "--seeds", 1, "--factors", 2, "--ks", "n/4"]
+    cmd += ["--linearize-steps", 6, "--linearize-tokens", 256, "--transfer-steps", 4, "--valid-blocks", 2]
+    cmd += ["--timing-seconds", 0.2, "--linearize-flags", "--lr", "5e-4"]
+    run(cmd)
+    results = json.loads((out / "results.json").read_text())
+    assert list(results) == ["original-n64-head", "original-n64-head_tail", "original-n128", "linformer-n128-k32-s6"]
+    for name, r in results.items():
+        assert len(r["all"]) == 1 and 0 <= r["all"][0] <= 100, (name, r)
+        assert r["seconds_per_update"] > 0 and r["peak_mb"] > 0 and r["documents_per_second"] > 0
+        rows = json.loads((out / "runs" / name / "seed1" / "predictions.json").read_text())
+        assert len(rows) == 8 and sum(length > N for length, _, _ in rows) >= 4  # whole lengths recorded
+    # the Linformer's k and n' are the run's, its teacher the original extended to n'
+    linearized = out / "linearized" / "n128-k32-s6"
+    stages = json.loads((linearized / "report.json").read_text())["stages"]
+    assert results["linformer-n128-k32-s6"]["linearize"] == {s: v["fidelity"]["cosine"] for s, v in stages.items()}
+    assert set(stages) == {"converted", "transfer", "distillation"}
+    ns = checkpoints.model_namespace(checkpoints.read_checkpoint(linearized / "checkpoint.pt"))
+    assert (ns.max_positions, ns.compressed_dim) == (128, 32)
+    assert (linearized / "teacher-n128.pt").is_file()
+    assert len((out / "unsup.txt").read_text().splitlines()) > 10
+    assert "| linformer-n128-k32-s6 |" in (out / "report.md").read_text()
+    again = run(cmd).stdout
+    assert "finetuning, seed" not in again and "linearizing" not in again, again[-2000:]

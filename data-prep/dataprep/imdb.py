@@ -1,11 +1,12 @@
 """IMDB (aclImdb_v1.tar.gz) -> DESTDIR/IMDB-bin, in the same layout as the GLUE tasks.
 
-Reads the reviews straight from the tarball (aclImdb/{train,test}/{pos,neg}/<id>_<stars>.txt;
-train/unsup is not labelled and is left out), replaces the <br /> tags by spaces, holds out
-a fixed random valid set from train (--valid-size reviews, --seed) and keeps test as test.
+Reads the reviews straight from the tarball (aclImdb/{train,test}/{pos,neg}/<id>_<stars>.txt),
+replaces the <br /> tags by spaces, holds out a fixed random valid set from train
+(--valid-size reviews, --seed) and keeps test as test.
 Every review is kept whole: truncating to a model's length is the finetuning task's choice.
 --train-size and --test-size keep fixed subsets, half of each class (for studies on a CPU).
-Classes: neg = 0, pos = 1.
+Classes: neg = 0, pos = 1. train/unsup's 50,000 unlabelled reviews are left out of the task;
+--unlabeled FILE writes them as text, one a line (e.g. for scripts/linearize.py --text).
 """
 
 import random
@@ -18,6 +19,7 @@ from .common import (
     PrepError,
     Progress,
     Recipe,
+    atomic,
     bad_input,
     cli,
     default_workers,
@@ -29,14 +31,15 @@ from .labelled import Split, write_task
 
 IMDB_URL = "https://ai.stanford.edu/~amaas/data/sentiment/aclImdb_v1.tar.gz"
 CLASSES = ("neg", "pos")
-MEMBER = re.compile(r"(?:^|/)aclImdb/(train|test)/(pos|neg)/(\d+)_\d+\.txt$")
+MEMBER = re.compile(r"(?:^|/)aclImdb/(train|test)/(pos|neg|unsup)/(\d+)_\d+\.txt$")
 BREAK = re.compile(r"<br\s*/?>", re.IGNORECASE)
 
 
-def read_reviews(tarball):
-    """{"train": [(label, text)], "test": [...]}, each sorted by (label, review id)."""
+def read_reviews(tarball, unlabeled=False):
+    """{"train": [(label, text)], "test": [...]}, each sorted by (label, review id); with
+    ``unlabeled`` also "unsup": train/unsup's reviews as [("unsup", text)]."""
     tarball = require_file(tarball, "IMDB tarball")
-    found = {"train": [], "test": []}
+    found = {"train": [], "test": [], "unsup": []}
     progress = Progress(f"reading {tarball}", unit="reviews")
     try:
         with tarfile.open(tarball, "r:*") as tar:
@@ -45,6 +48,10 @@ def read_reviews(tarball):
                 if not (match and member.isfile()):
                     continue
                 split, label, review_id = match.groups()
+                if label == "unsup":
+                    if not unlabeled:
+                        continue
+                    split = "unsup"
                 try:
                     text = tar.extractfile(member).read().decode("utf-8")
                 except UnicodeDecodeError as e:
@@ -54,8 +61,12 @@ def read_reviews(tarball):
     except (tarfile.TarError, EOFError, OSError) as e:
         bad_input(tarball, None, f"cannot read the tar archive ({e})")
     progress.close()
+    if unlabeled and not found["unsup"]:
+        bad_input(tarball, None, "no aclImdb/train/unsup/*.txt reviews for --unlabeled")
+    if not unlabeled:
+        del found["unsup"]
     for split, reviews in found.items():
-        for label in CLASSES:
+        for label in CLASSES if split != "unsup" else ():
             if not any(r[0] == label for r in reviews):
                 bad_input(tarball, None, f"no aclImdb/{split}/{label}/*.txt reviews: not the aclImdb_v1 layout")
     return {split: [(label, text) for label, _, text in sorted(reviews)] for split, reviews in found.items()}
@@ -108,6 +119,7 @@ def main():
     p.add_argument("--test-size", type=int, help="keep this many test reviews, half of each class (default: all)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--workers", type=int, default=default_workers())
+    p.add_argument("--unlabeled", type=Path, help="also write train/unsup's reviews to this text file, one a line")
     args = p.parse_args()
     spm.check_model(args.spm_model)
     require_file(args.srcdict, "dictionary")
@@ -127,11 +139,18 @@ def main():
         **{k: v for k, v in (("train_size", args.train_size), ("test_size", args.test_size)) if v is not None},
     )
     dest = args.destdir / "IMDB-bin"
-    if recipe.done(dest):
+    unlabeled = args.unlabeled is not None and not args.unlabeled.is_file()
+    if recipe.done(dest) and not unlabeled:
         return
     tarball = local_or_download(source, args.download_dir)
-    splits = imdb_splits(read_reviews(tarball), args.valid_size, args.seed, args.train_size, args.test_size)
-    write_task(dest, splits, args.spm_model, args.srcdict, CLASSES, args.workers, recipe)
+    reviews = read_reviews(tarball, unlabeled)
+    if unlabeled:
+        with atomic(args.unlabeled) as tmp:
+            tmp.write_text("".join(f"{text}\n" for _, text in reviews.pop("unsup")), encoding="utf-8")
+        print(f"wrote {args.unlabeled}")
+    if not recipe.done(dest):
+        splits = imdb_splits(reviews, args.valid_size, args.seed, args.train_size, args.test_size)
+        write_task(dest, splits, args.spm_model, args.srcdict, CLASSES, args.workers, recipe)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,35 @@ def training_step(model, tokens, targets, masked):
     return step
 
 
+def classification_step(model, tokens, labels, head="timing"):
+    """One finetuning update as fairseq's sentence_prediction makes it: <s>'s features through a
+    classification head (registered as ``head``), cross-entropy, backward, Adam step."""
+    model.register_classification_head(head, num_classes=int(labels.max()) + 1)
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-5, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.1)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(tokens, features_only=True, classification_head_name=head)[0]
+        loss = torch.nn.functional.cross_entropy(logits.float(), labels)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return step
+
+
+def prediction_step(model, tokens, head="timing"):
+    """The forward pass that predicts ``tokens``' classes (no gradients, eval mode)."""
+    model.eval()
+
+    def step():
+        with torch.no_grad():
+            return model(tokens, features_only=True, classification_head_name=head)[0]
+
+    return step
+
+
 def seconds_per_step(step, min_run_time):
     """Seconds per step, one sample per block of steps (blocked_autorange warms up while it sizes the blocks)."""
     # Timer runs on one thread unless told otherwise

@@ -121,6 +121,24 @@ def update_cost(model, task, batch, n, min_run_time=10):
     }
 
 
+def finetuning_cost(model, task, batch, n, min_run_time=10):
+    """Seconds (median) and peak memory of a finetuning update of ``batch`` documents of n random
+    tokens (a classification head on <s>), and documents a second when predicting them."""
+    import torch
+
+    d = task.source_dictionary
+    tokens = torch.randint(d.nspecial, len(d) - 1, (batch, n))
+    tokens[:, 0], tokens[:, -1] = d.bos(), d.eos()
+    step = measure.classification_step(model, tokens, torch.arange(batch) % 2)
+    cost = {
+        "seconds_per_update": statistics.median(measure.seconds_per_step(step, min_run_time=min_run_time)),
+        "peak_mb": measure.peak_bytes(step) / 2**20,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+    predict = statistics.median(measure.seconds_per_step(measure.prediction_step(model, tokens), min_run_time))
+    return {**cost, "documents_per_second": batch / predict}
+
+
 def mean_sd(values, digits=1):
     if not values:
         return "-"

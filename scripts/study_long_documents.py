@@ -280,8 +280,7 @@ def report(args, specs):
         f"seed 1), {args.epochs} epochs, batch {args.batch}, lr {args.lr}, seeds 1..{args.seeds}; {further}.",
         "",
     ]
-    lengths = next((rows for name in specs if (rows := predictions(args, name))), [(0,)])
-    lengths = [row[0] for row in lengths]
+    lengths = test_lengths(args)
     shares = ", ".join(
         f"longer than {m}: {100 * sum(x > m for x in lengths) / len(lengths):.1f}%"
         for m in sorted({n} | {n * f for f in args.factors})
@@ -383,6 +382,14 @@ def plot_by_length(results, path, n):
     ax.legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, path)
+
+
+def test_lengths(args):
+    """Each test review's length as the models see it whole (with <s> and </s>)."""
+    from fairseq.data import data_utils
+
+    reviews = data_utils.load_indexed_dataset(str(args.imdb_bin / "input0" / "test"))
+    return [int(size) + 1 for size in reviews.sizes]  # read while the dataset (its memory map) is open
 
 
 def predictions(args, name, seed=1):

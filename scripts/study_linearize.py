@@ -10,9 +10,9 @@ Runs (each a linearize.py folder under OUT/runs, resumable; --runs picks some, -
 
   long text, n = 512 (WikiText-2 train blocks; held out: the first blocks of WikiText-2 valid):
     k = 128 (the reference: headwise, linear, avg init), 64, 256, 32; per-layer k read from the
-    spectrum at a mean of 128; then a grid at k = 128 with a shorter distillation (--grid-steps,
-    its own k = 128 reference among them): subsample init; mean pooling; convolution; kv and
-    layerwise sharing
+    spectrum at a mean of 128 (in every layer, or in layers 1-5 with the last at 128); then a
+    grid at k = 128 with a shorter distillation (--grid-steps, its own k = 128 reference among
+    them): subsample init; mean pooling; convolution; kv and layerwise sharing
   short inputs, n = 128 (STS-B dev zero-shot, mean pooling, against the teacher at n = 128):
     k = 8, 16, 32 with each way of handling inputs shorter than n at k = 16 (slice: the first T
     columns of E; length norm linear; resample; mean pooling); two remedies at k = 16 (direct:
@@ -43,6 +43,8 @@ RUNS = {  # name: (n, linearize.py flags); GRID: the comparison grid's shorter d
     "n512-k256": (LONG, ["--k", "256"]),
     "n512-k32": (LONG, ["--k", "32"]),
     "n512-spectrum-k": (LONG, ["--k", "128", "--layer-compressed-dims", "SPECTRUM"]),
+    # the spectrum's k in layers 1-5 only: the last layer's weights look low-rank, its output is not
+    "n512-spectrum-k-last128": (LONG, ["--k", "128", "--layer-compressed-dims", "SPECTRUM-LAST"]),
     "n512-k128-grid": (LONG, ["--k", "128", "GRID"]),
     "n512-k128-subsample": (LONG, ["--k", "128", "--init", "subsample", "GRID"]),
     "n512-k128-mean": (LONG, ["--k", "128", "--compress-type", "mean", "GRID"]),
@@ -79,10 +81,13 @@ def spectrum(args, n):
     return json.loads((out / "spectrum.json").read_text())
 
 
-def spectrum_dims(result, mean_k, n):
-    """Per-layer k proportional to each layer's K(90%), scaled to the mean ``mean_k``, in 8..n."""
+def spectrum_dims(result, mean_k, n, keep_last=False):
+    """Per-layer k proportional to each layer's K(90%), scaled to the mean ``mean_k``, in 8..n
+    (``keep_last``: the last layer keeps mean_k, the others share the rest)."""
     need = [layer["index_of_mass"] for layer in result["layers"]]
-    dims = [max(8, min(n, round(mean_k * k * len(need) / sum(need)))) for k in need]
+    share, last = (need[:-1], [mean_k]) if keep_last else (need, [])
+    budget = mean_k * len(need) - sum(last)
+    dims = [max(8, min(n, round(budget * k / sum(share)))) for k in share] + last
     return ",".join(map(str, dims))
 
 
@@ -91,8 +96,9 @@ def run(args, name):
     folder = args.out / "runs" / name
     if folder.with_suffix(".log").is_file():  # finished (a rerun would replace its log)
         return
-    if "SPECTRUM" in flags:
-        flags = [spectrum_dims(spectrum(args, n), 128, n) if f == "SPECTRUM" else f for f in flags]
+    if "SPECTRUM" in flags or "SPECTRUM-LAST" in flags:
+        dims = {"SPECTRUM": False, "SPECTRUM-LAST": True}
+        flags = [spectrum_dims(spectrum(args, n), 128, n, dims[f]) if f in dims else f for f in flags]
     if "GRID" in flags:
         flags = [*(f for f in flags if f != "GRID"), "--distill-steps", args.grid_steps]
     text, valid = args.wikitext / "wiki.train.tokens", args.wikitext / "wiki.valid.tokens"

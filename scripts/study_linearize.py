@@ -113,18 +113,20 @@ def run(args, name):
 
 
 def glue_data(args):
-    """SST-2 and CoLA training subsets and dev sets in the teacher's ids (OUT/glue/TASK-bin);
-    returns each task's number of training rows."""
-    subsets = args.out / "glue" / "subsets"
-    rows = {task: glue_subset(args.glue, task, args.train_rows, subsets) for task in GLUE_TASKS}
-    teacher = args.out / "teacher"
-    if not all((args.out / "glue" / f"{task}-bin").is_dir() for task in GLUE_TASKS):
-        sh([REPO / "data-prep" / "glue.sh", "--glue-dir", subsets, "--tasks", *GLUE_TASKS, "--tokenizer",
-            teacher / "tokenizer.json", "--srcdict", teacher / "dict.txt", "--destdir", args.out / "glue"])  # fmt: skip
-    return rows
+    """Each --tasks task's training subset of --train-rows rows (all if fewer) and its dev set in
+    the teacher's ids (OUT/glue/ROWSrows/TASK-bin); returns {task: (its data-bin, its rows)}."""
+    bins, folder, teacher = {}, args.out / "glue" / f"{args.train_rows}rows", args.out / "teacher"
+    for task in args.tasks:
+        subsets = folder / "subsets"
+        rows = glue_subset(args.glue, task, args.train_rows, subsets)
+        if not (folder / f"{task}-bin").is_dir():
+            sh([REPO / "data-prep" / "glue.sh", "--glue-dir", subsets, "--tasks", task, "--tokenizer",
+                teacher / "tokenizer.json", "--srcdict", teacher / "dict.txt", "--destdir", folder])  # fmt: skip
+        bins[task] = (folder / f"{task}-bin", rows)
+    return bins
 
 
-def finetune(args, name, rows):
+def finetune(args, name, bins):
     """NAME (an n = 128 run's Linformer, or the teacher it was made from) finetuned on each task,
     one log per seed under OUT/finetune/NAME."""
     import torch
@@ -146,9 +148,10 @@ def finetune(args, name, rows):
         for seed in range(1, args.seeds + 1):
             if not (out / f"{task}-seed{seed}.log").exists():
                 log(f"{name}: {task} finetuning, seed {seed}")
-                sh([sys.executable, "-m", "fairseq_cli.train", args.out / "glue" / f"{task}-bin", *model_flags,
+                data, rows = bins[task]
+                sh([sys.executable, "-m", "fairseq_cli.train", data, *model_flags,
                     *fairseq_train.shared_flags(cpu=True), "--clip-norm", "1.0", "--finetune-from-model", checkpoint,
-                    *finetune_flags(task, rows[task], args.finetune_epochs, args.finetune_lr, seed)],
+                    *finetune_flags(task, rows, args.finetune_epochs, args.finetune_lr, seed)],
                    out / f"{task}-seed{seed}.log")  # fmt: skip
 
 
@@ -293,8 +296,9 @@ def report(args):
     finetuned, finetune_scores = finetune_table(args)
     if finetuned:
         how = json.loads((args.out / "finetune" / "settings.json").read_text())
-        lines += [f"Finetuned at n=128 ({how['train_rows']}-row training subsets, {how['finetune_epochs']} epochs, "
-                  f"lr {how['finetune_lr']}; dev metric after the last epoch; mean ± sd over seeds):", ""]  # fmt: skip
+        budgets = "; ".join(f"{task}: {h['train_rows']}-row training subset, {h['finetune_epochs']} epochs, "
+                            f"lr {h['finetune_lr']}" for task, h in how.items())  # fmt: skip
+        lines += [f"Finetuned at n=128 ({budgets}; dev metric after the last epoch; mean ± sd over seeds):", ""]
         lines += [markdown_table(finetuned), ""]
     write_text(args.out / "report.md", "\n".join(lines))
     everything = {"runs": rows, "spectra": spectra, "finetune": finetune_scores}
@@ -334,15 +338,19 @@ def main(argv=None):
             p.error(f"--glue {args.glue}: needs {' and '.join(GLUE_TASKS)} with train.tsv and dev.tsv")
         for name in args.runs or RUNS:
             run(args, name)
-        if args.glue:
-            settings = {key: getattr(args, key) for key in ("train_rows", "finetune_epochs", "finetune_lr")}
+        if args.glue:  # one budget per task, for every model
+            bins = glue_data(args)
             made = args.out / "finetune" / "settings.json"
-            if made.is_file() and json.loads(made.read_text()) != settings:
-                fail(f"{made.parent} was finetuned with other settings ({made.read_text().strip()}): use another --out")
+            settings = json.loads(made.read_text()) if made.is_file() else {}
+            for task in args.tasks:
+                mine = dict(
+                    train_rows=bins[task][1], finetune_epochs=args.finetune_epochs, finetune_lr=args.finetune_lr
+                )
+                if settings.setdefault(task, mine) != mine:
+                    fail(f"{made.parent}: {task} was finetuned with other settings ({settings[task]})")
             write_text(made, json.dumps(settings) + "\n")
-            rows = glue_data(args)
             for name in (TEACHER, *(args.finetune or SHORT_RUNS)):
-                finetune(args, name, rows)
+                finetune(args, name, bins)
     elif not args.out.is_dir():
         fail(f"{args.out}: no such study folder")
     report(args)

@@ -12,11 +12,13 @@ Runs (each a linearize.py folder under OUT/runs, resumable; --runs picks some, -
     k = 128 (the reference: headwise, linear, avg init), 64, 256, 32; per-layer k read from the
     spectrum at a mean of 128 (in every layer, or in layers 1-5 with the last at 128); then a
     grid at k = 128 with a shorter distillation (--grid-steps, its own k = 128 reference among
-    them): subsample init; mean pooling; convolution; kv and layerwise sharing
+    them): subsample init; mean pooling; convolution; kv and layerwise sharing; no key scale
+    (--key-scale 1), also with the full distillation
   short inputs, n = 128 (STS-B dev zero-shot, mean pooling, against the teacher at n = 128):
     k = 8, 16, 32 with each way of handling inputs shorter than n at k = 16 (slice: the first T
-    columns of E; length norm linear; resample; mean pooling); two remedies at k = 16 (direct:
-    no attention transfer; short: three quarters of the distillation blocks cut short)
+    columns of E; length norm linear; resample; mean pooling); remedies at k = 16 (direct: no
+    attention transfer; short: three quarters of the distillation blocks cut short; noscale:
+    window means for the keys)
 
 With --glue, the original at n = 128 and the n = 128 Linformers are finetuned on SST-2 and CoLA
 (fixed training subsets, --seeds seeds each) the same way, under OUT/finetune.
@@ -51,6 +53,9 @@ RUNS = {  # name: (n, linearize.py flags); GRID: the comparison grid's shorter d
     "n512-k128-kv": (LONG, ["--k", "128", "--compress-sharing", "kv", "GRID"]),
     "n512-k128-layerwise": (LONG, ["--k", "128", "--compress-sharing", "layerwise", "GRID"]),
     "n512-k128-conv": (LONG, ["--k", "128", "--compress-type", "conv", "GRID"]),
+    # window means for the keys too (no n/k key scale, as mean pooling and kv/layerwise sharing have)
+    "n512-k128-noscale-grid": (LONG, ["--k", "128", "--key-scale", "1", "GRID"]),
+    "n512-k128-noscale": (LONG, ["--k", "128", "--key-scale", "1"]),
     "n128-k16-resample": (SHORT, ["--k", "16", "--compress-length-norm", "resample"]),
     "n128-k16-slice": (SHORT, ["--k", "16", "--compress-length-norm", "none"]),
     "n128-k16-linear": (SHORT, ["--k", "16", "--compress-length-norm", "linear"]),
@@ -60,6 +65,7 @@ RUNS = {  # name: (n, linearize.py flags); GRID: the comparison grid's shorter d
     # remedies for short inputs: no transfer on full WikiText blocks; most distillation blocks cut short
     "n128-k16-direct": (SHORT, ["--k", "16", "--transfer-steps", "0"]),
     "n128-k16-short": (SHORT, ["--k", "16", "--short-fraction", "0.75"]),
+    "n128-k16-noscale": (SHORT, ["--k", "16", "--key-scale", "1"]),
 }
 SPECTRUM_LENGTHS = (128, 256, 512)
 SHORT_RUNS = [name for name, (n, _) in RUNS.items() if n == SHORT]
@@ -190,6 +196,9 @@ def table(rows):
         stages, a = r["stages"], r["args"]
         row = {"run": name, "k": a.get("layer_compressed_dims") or a["k"], "sharing": a["compress_sharing"],
                "projection": a["compress_type"] if a["compress_type"] != "linear" else f"linear {a['init']}",
+               # the converter scales keys only where they have projections of their own, with weights
+               "key scale": a.get("key_scale", "window")
+               if a["compress_sharing"] in ("none", "headwise") and a["compress_type"] in ("linear", "conv") else "-",
                "short inputs": a["compress_length_norm"]}  # fmt: skip
         for stage in ("converted", "transfer", "distillation"):
             fid = stages.get(stage, {}).get("fidelity", {})

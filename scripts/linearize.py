@@ -267,7 +267,7 @@ def transfer(student, teacher, blocks, steps, lr, batch, generator):
     for i, (ours, theirs) in enumerate(zip(layers(student), layers(teacher))):
         params = projection_parameters(ours.self_attn)
         if shared is not None:  # layerwise: the one projection is fitted at the first layer only
-            params = projection_parameters(shared) if i == 0 else []
+            params = list(shared.parameters()) if i == 0 else []
         if not params:
             continue
         with torch.no_grad():

@@ -296,6 +296,17 @@ def test_the_real_minilm_imports_exactly(minilm, tmp_path):
 # ---------------------------------------------------------------- linearize.py
 
 
+def sharp_tiny_bert(folder):
+    """A tiny BERT whose attention is sharp (queries scaled up): window averages do not follow it."""
+    original = save_tiny(folder, "bert", head=False)
+    weights = transformers.BertModel.from_pretrained(original)
+    with torch.no_grad():
+        for layer in weights.encoder.layer:
+            layer.attention.self.query.weight.mul_(30)
+    weights.save_pretrained(original)
+    return original
+
+
 @pytest.mark.slow
 def test_linearize_trains_the_projections_then_every_weight(tmp_path):
     """On a tiny BERT with sharp attention (queries scaled up), attention transfer lowers every
@@ -303,12 +314,7 @@ def test_linearize_trains_the_projections_then_every_weight(tmp_path):
     teacher's), and distillation lowers every layer's hidden-state error further (every weight
     trains). The run writes a fairseq Linformer and its transformers export; a rerun resumes it
     as done."""
-    original = save_tiny(tmp_path / "hf", "bert", head=False)
-    weights = transformers.BertModel.from_pretrained(original)
-    with torch.no_grad():
-        for layer in weights.encoder.layer:
-            layer.attention.self.query.weight.mul_(30)
-    weights.save_pretrained(original)
+    original = sharp_tiny_bert(tmp_path / "hf")
     out = tmp_path / "run"
     argv = [original, "--text", TEXT, "--max-positions", N, "--k", 8, "--out", out, "--transfer-steps", 40,
             "--transfer-blocks", 8, "--distill-steps", 60, "--valid-blocks", 4]  # fmt: skip
@@ -333,6 +339,26 @@ def test_linearize_trains_the_projections_then_every_weight(tmp_path):
     )
     assert again.returncode == 0 and "(done)" in again.stdout
     assert torch.equal(checkpoints.read_checkpoint(out / "checkpoint.pt")["model"][fc1], final[fc1])
+
+
+@pytest.mark.slow
+def test_linearize_transfers_a_layerwise_projection(tmp_path):
+    """With layerwise sharing the one projection (the encoder's compress_layer) is what the
+    transfer fits, at the first layer."""
+    original = sharp_tiny_bert(tmp_path / "hf")
+    out = tmp_path / "run"
+    argv = [original, "--text", TEXT, "--max-positions", N, "--k", 8, "--out", out, "--compress-sharing", "layerwise",
+            "--transfer-steps", 10, "--transfer-blocks", 8, "--distill-steps", 0, "--valid-blocks", 4,
+            "--no-export"]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, SCRIPTS / "linearize.py", *map(str, argv)], env=ENV, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared = "encoder.sentence_encoder.compress_layer.weight"
+    converted = checkpoints.read_checkpoint(out / "converted.pt")["model"][shared]
+    assert not torch.equal(checkpoints.read_checkpoint(out / "transfer.pt")["model"][shared], converted)
+    stages = json.loads((out / "report.json").read_text())["stages"]
+    assert stages["transfer"]["fidelity"]["attention"][0] < stages["converted"]["fidelity"]["attention"][0]
 
 
 @pytest.mark.slow(minutes=2)

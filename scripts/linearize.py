@@ -371,9 +371,9 @@ def parse_args(argv=None):
     parser.add_argument("--compress-sharing", choices=COMPRESS_SHARING, default="headwise", help="default: headwise")
     parser.add_argument("--compress-type", choices=COMPRESS_TYPES, default="linear", help="default: linear")
     parser.add_argument("--init", choices=("avg", "subsample"), default="avg", help="linear E/F's start (default: avg)")
-    parser.add_argument("--key-scale", default="window",
-                        help="the converter's factor on the keys' E: window (n/k: window sums, the default), or a "
-                             "number (1: window means, as pooling and shared projections have)")  # fmt: skip
+    parser.add_argument("--key-scale", default="1",
+                        help="the converter's factor on the keys' E: a number (default 1: window means, the best "
+                             "in docs/linearize.md), or window (n/k: window sums)")  # fmt: skip
     parser.add_argument("--compress-length-norm", choices=tuple(LENGTH_NORM_POWERS), default="resample",
                         help="linear projections on inputs shorter than N (default: resample)")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="folder of the run (a rerun resumes it)")
@@ -447,8 +447,7 @@ def main(argv=None):
                "--compress-type", args.compress_type, "--compress-length-norm", args.compress_length_norm]  # fmt: skip
     if args.compress_type == "linear":
         convert += ["--init", args.init]
-    if args.key_scale != "window":
-        convert += ["--key-scale", args.key_scale]
+    convert += ["--key-scale", args.key_scale]
     if args.layer_compressed_dims:
         convert += ["--layer-compressed-dims", args.layer_compressed_dims]
     step(convert, out / "converted.pt", "conversion")

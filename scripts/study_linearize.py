@@ -39,32 +39,37 @@ from linformer_tools.models import pyplot, save_figure
 from linformer_tools.study import GLUE_TASKS, dev_scores, finetune_flags, glue_subset, log, mean_sd, sh
 
 LONG, SHORT = 512, 128
-RUNS = {  # name: (n, linearize.py flags); GRID: the comparison grid's shorter distillation
-    "n512-k128": (LONG, ["--k", "128"]),
-    "n512-k64": (LONG, ["--k", "64"]),
-    "n512-k256": (LONG, ["--k", "256"]),
-    "n512-k32": (LONG, ["--k", "32"]),
-    "n512-spectrum-k": (LONG, ["--k", "128", "--layer-compressed-dims", "SPECTRUM"]),
+# name: (n, linearize.py flags); GRID: the comparison grid's shorter distillation. The runs made
+# before linearize.py's key scale became 1 (the grid found it) name the n/k scale (window).
+RUNS = {
+    "n512-k128": (LONG, ["--key-scale", "window", "--k", "128"]),
+    "n512-k64": (LONG, ["--key-scale", "window", "--k", "64"]),
+    "n512-k256": (LONG, ["--key-scale", "window", "--k", "256"]),
+    "n512-k32": (LONG, ["--key-scale", "window", "--k", "32"]),
+    "n512-spectrum-k": (LONG, ["--key-scale", "window", "--k", "128", "--layer-compressed-dims", "SPECTRUM"]),
     # the spectrum's k in layers 1-5 only: the last layer's weights look low-rank, its output is not
-    "n512-spectrum-k-last128": (LONG, ["--k", "128", "--layer-compressed-dims", "SPECTRUM-LAST"]),
-    "n512-k128-grid": (LONG, ["--k", "128", "GRID"]),
-    "n512-k128-subsample": (LONG, ["--k", "128", "--init", "subsample", "GRID"]),
-    "n512-k128-mean": (LONG, ["--k", "128", "--compress-type", "mean", "GRID"]),
-    "n512-k128-kv": (LONG, ["--k", "128", "--compress-sharing", "kv", "GRID"]),
-    "n512-k128-layerwise": (LONG, ["--k", "128", "--compress-sharing", "layerwise", "GRID"]),
-    "n512-k128-conv": (LONG, ["--k", "128", "--compress-type", "conv", "GRID"]),
+    "n512-spectrum-k-last128": (
+        LONG,
+        ["--key-scale", "window", "--k", "128", "--layer-compressed-dims", "SPECTRUM-LAST"],
+    ),
+    "n512-k128-grid": (LONG, ["--key-scale", "window", "--k", "128", "GRID"]),
+    "n512-k128-subsample": (LONG, ["--key-scale", "window", "--k", "128", "--init", "subsample", "GRID"]),
+    "n512-k128-mean": (LONG, ["--key-scale", "window", "--k", "128", "--compress-type", "mean", "GRID"]),
+    "n512-k128-kv": (LONG, ["--key-scale", "window", "--k", "128", "--compress-sharing", "kv", "GRID"]),
+    "n512-k128-layerwise": (LONG, ["--key-scale", "window", "--k", "128", "--compress-sharing", "layerwise", "GRID"]),
+    "n512-k128-conv": (LONG, ["--key-scale", "window", "--k", "128", "--compress-type", "conv", "GRID"]),
     # window means for the keys too (no n/k key scale, as mean pooling and kv/layerwise sharing have)
     "n512-k128-noscale-grid": (LONG, ["--k", "128", "--key-scale", "1", "GRID"]),
     "n512-k128-noscale": (LONG, ["--k", "128", "--key-scale", "1"]),
-    "n128-k16-resample": (SHORT, ["--k", "16", "--compress-length-norm", "resample"]),
-    "n128-k16-slice": (SHORT, ["--k", "16", "--compress-length-norm", "none"]),
-    "n128-k16-linear": (SHORT, ["--k", "16", "--compress-length-norm", "linear"]),
-    "n128-k16-mean": (SHORT, ["--k", "16", "--compress-type", "mean"]),
-    "n128-k8-resample": (SHORT, ["--k", "8", "--compress-length-norm", "resample"]),
-    "n128-k32-resample": (SHORT, ["--k", "32", "--compress-length-norm", "resample"]),
+    "n128-k16-resample": (SHORT, ["--key-scale", "window", "--k", "16", "--compress-length-norm", "resample"]),
+    "n128-k16-slice": (SHORT, ["--key-scale", "window", "--k", "16", "--compress-length-norm", "none"]),
+    "n128-k16-linear": (SHORT, ["--key-scale", "window", "--k", "16", "--compress-length-norm", "linear"]),
+    "n128-k16-mean": (SHORT, ["--key-scale", "window", "--k", "16", "--compress-type", "mean"]),
+    "n128-k8-resample": (SHORT, ["--key-scale", "window", "--k", "8", "--compress-length-norm", "resample"]),
+    "n128-k32-resample": (SHORT, ["--key-scale", "window", "--k", "32", "--compress-length-norm", "resample"]),
     # remedies for short inputs: no transfer on full WikiText blocks; most distillation blocks cut short
-    "n128-k16-direct": (SHORT, ["--k", "16", "--transfer-steps", "0"]),
-    "n128-k16-short": (SHORT, ["--k", "16", "--short-fraction", "0.75"]),
+    "n128-k16-direct": (SHORT, ["--key-scale", "window", "--k", "16", "--transfer-steps", "0"]),
+    "n128-k16-short": (SHORT, ["--k", "16", "--key-scale", "1", "--short-fraction", "0.75"]),
     "n128-k16-noscale": (SHORT, ["--k", "16", "--key-scale", "1"]),
 }
 SPECTRUM_LENGTHS = (128, 256, 512)
@@ -216,15 +221,16 @@ def plot_layers(rows, path):
     if not long:
         return
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(long), figsize=(3.2 * len(long), 3), squeeze=False, sharey=True)
-    for ax, (name, r) in zip(axes[0], long.items()):
+    fig, axes = panels(plt, len(long), 3.2, 3)
+    for ax, (name, r) in zip(axes.flat, long.items()):
         for stage, style in (("converted", ":"), ("transfer", "--"), ("distillation", "-")):
             fid = r["stages"].get(stage, {}).get("fidelity")
             if fid:
                 ax.plot(range(1, len(fid["hidden"]) + 1), fid["hidden"], style, label=f"{stage} ({fid['cosine']:.3f})")
         ax.set(title=name, xlabel="layer")
         ax.legend(fontsize=6)
-    axes[0][0].set_ylabel("relative error of the hidden states")
+    for row in axes:
+        row[0].set_ylabel("relative error of the hidden states")
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
@@ -236,16 +242,27 @@ def plot_heads(rows, path):
     if not with_heads:
         return
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(with_heads), figsize=(4 * len(with_heads), 3.3), squeeze=False, sharey=True)
-    for ax, (name, heads) in zip(axes[0], with_heads.items()):
+    fig, axes = panels(plt, len(with_heads), 4, 3.3)
+    for ax, (name, heads) in zip(axes.flat, with_heads.items()):
         for layer, (errors, local) in enumerate(zip(heads["error"], heads["local"]), 1):
             ax.scatter(local, errors, s=12, label=f"layer {layer}")
         ax.set(title=name, xlabel=f"teacher head's attention within {heads['near']} positions")
         ax.legend(fontsize=6)
-    axes[0][0].set_ylabel("relative error of the head's output")
+    for row in axes:
+        row[0].set_ylabel("relative error of the head's output")
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
+
+
+def panels(plt, count, width, height, columns=4):
+    """A figure of ``count`` panels sharing their y axis, at most ``columns`` a row (unused ones hidden)."""
+    rows = -(-count // columns)
+    cols = min(count, columns)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False, sharey=True)
+    for ax in axes.flat[count:]:
+        ax.set_visible(False)
+    return fig, axes
 
 
 def head_summary(heads, local=0.3, spread=0.1):

@@ -364,8 +364,9 @@ def test_linearize_transfers_a_layerwise_projection(tmp_path):
 @pytest.mark.slow(minutes=2)
 def test_a_short_linearization_of_the_real_minilm_reaches_its_fidelity(minilm, tmp_path):
     """all-MiniLM-L6-v2 at n = 64, k = 16 on the bundled WikiText-2 sample: each stage raises the
-    held-out cosine of the final hidden states, to the level measured when this test was written
-    (converted 0.550, transfer 0.620, distillation 0.760 on 2026-11-25; the threshold leaves room)."""
+    held-out cosine of the final hidden states, to the level measured with today's defaults
+    (converted 0.667, transfer 0.727, distillation 0.809; with the n/k key scale, the default
+    before: 0.550, 0.620, 0.760; the threshold sits between them and leaves room)."""
     out = tmp_path / "run"
     text = SAMPLE / "wikitext-2"
     argv = [minilm, "--text", text / "wiki.train.tokens", "--valid-text", text / "wiki.valid.tokens",
@@ -378,5 +379,5 @@ def test_a_short_linearization_of_the_real_minilm_reaches_its_fidelity(minilm, t
     stages = json.loads((out / "report.json").read_text())["stages"]
     cosines = [stages[s]["fidelity"]["cosine"] for s in ("converted", "transfer", "distillation")]
     assert cosines[0] < cosines[1] < cosines[2], cosines
-    assert cosines[2] > 0.72, cosines
+    assert cosines[2] > 0.78, cosines
     assert f"cosine {cosines[2]:.4f}" in done.stdout  # the fidelity it prints is the one it reports

@@ -212,12 +212,12 @@ def test_conversion_copies_every_roberta_weight_and_head(roberta, corpus, tmp_pa
                    for i in range(2) for kv in "kv" for what in ("weight", "length_norm_power")}  # fmt: skip
     powers = {v.item() for k, v in out["model"].items() if k.endswith("length_norm_power")}
     assert powers == {LENGTH_NORM_POWERS["resample"]}, powers  # the converter's default for short inputs
-    # the avg init: rows average windows of n/k = 4 positions; keys scaled by n/k (--key-scale window)
+    # the avg init: rows average windows of n/k = 4 positions, keys and values alike (--key-scale 1)
     E, F = (out["model"][f"encoder.sentence_encoder.layers.0.self_attn.compress_{kv}.weight"] for kv in "kv")
     window = torch.arange(N) // 4
     torch.testing.assert_close(F, (window == torch.arange(8).unsqueeze(1)).float() / 4)
-    torch.testing.assert_close(E, 4 * F)
-    assert out["warm_start"]["key_scales"] == [4.0, 4.0]
+    torch.testing.assert_close(E, F)
+    assert out["warm_start"]["key_scales"] == [1.0, 1.0]
     assert (out["cfg"]["model"].arch, out["cfg"]["model"].compressed_dim) == ("linformer_roberta_base", 8)
 
     model, _ = load(tmp_path / "linformer.pt", corpus / "bin")  # fairseq loads it, head included

@@ -18,7 +18,8 @@ key the sum of its window's keys and sharpens attention over the windows, or per
 factor closest to the RoBERTa's attention on real text (auto). The default is 1 (window means):
 on a real encoder (all-MiniLM-L6-v2, docs/linearize.md) the n/k scale over-sharpened attention
 and cost fidelity at n = 128 and 512; on the tiny plateau RoBERTa of docs/warm_start.md it helped.
---compress-type mean|max|conv pools instead (conv starts as mean pooling). docs/warm_start.md compares them on the bundled sample.
+--compress-type mean|max|conv pools instead (conv starts as mean pooling). docs/warm_start.md
+compares them on the bundled sample.
 
 With --data (a fairseq data-bin binarized with the RoBERTa's dictionary) the script reports the
 masked-LM loss in bits per masked token, on the same blocks and masks for every model: the

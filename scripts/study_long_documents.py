@@ -14,8 +14,8 @@ Two kinds of models, one mode each:
                     (scripts/pretrain.sh --from CHECKPOINT extend), a Linformer for each
                     --projections way of extending its projections
 
---control adds, for each model trained further before reading whole reviews, the same further
-training at n followed by head+tail truncation: whatever it gains is not from reading more.
+--control (--hf-dir only, for now) adds each Linformer's linearization at n followed by
+head+tail truncation: whatever it gains is not from reading more.
 Folders of further training carry its length (-uUPDATES, -sSTEPS), so another length is
 another run.
 
@@ -116,13 +116,17 @@ def extended(args, model, long_n, projections="periodic"):
     return path
 
 
-def continued(args, model, long_n, projections):
-    """The model extended to n' (unless n' = n: the control) and pretrained args.continue_updates
-    more updates at n'; returns the checkpoint. Its folder names the continuation's length."""
+def continued_folder(args, model, long_n, projections):
+    """The continuation's folder, named by its length (-uUPDATES) so that another length is another run."""
     suffix = "" if projections == "periodic" else f"-{projections}"
-    work = args.out / "continued" / f"{model}-n{long_n}{suffix}-u{args.continue_updates}"
+    return args.out / "continued" / f"{model}-n{long_n}{suffix}-u{args.continue_updates}"
+
+
+def continued(args, model, long_n, projections):
+    """The model extended to n' and pretrained args.continue_updates more updates at n'; returns the checkpoint."""
+    work = continued_folder(args, model, long_n, projections)
     work.mkdir(parents=True, exist_ok=True)
-    start = base_checkpoint(args, model) if long_n == args.n else extended(args, model, long_n, projections)
+    start = extended(args, model, long_n, projections)
     losses = work / "losses.json"
     found = json.loads(losses.read_text()) if losses.exists() else {}
     if "before" not in found:
@@ -199,14 +203,12 @@ def runs(args):
                 found[name] = Run(lambda m=long_n, k=k: linearized(args, m, k), long_n, "head_tail",
                                   linearize_folder(args, long_n, k) / "report.json")  # fmt: skip
         return found
-    for model in args.models:  # a RoBERTa has no projections: one extension
-        for long_n in ([n] if args.control else []) + longer:
-            for projections in args.projections if args.kinds[model] == "linformer" and long_n > n else ["periodic"]:
-                suffix = "" if projections == "periodic" else f"-{projections}"
-                name = f"{model}-n{long_n}{suffix}-u{args.continue_updates}" + ("-head_tail" if long_n == n else "")
-                record = args.out / "continued" / f"{model}-n{long_n}{suffix}-u{args.continue_updates}" / "losses.json"
+    for model in args.models:  # a RoBERTa has no projections: one extension (--control: --hf-dir only)
+        for long_n in longer:
+            for projections in args.projections if args.kinds[model] == "linformer" else ["periodic"]:
+                folder = continued_folder(args, model, long_n, projections)
                 make = lambda m=model, ln=long_n, p=projections: continued(args, m, ln, p)  # noqa: E731
-                found[name] = Run(make, long_n, "head_tail", record)
+                found[folder.name] = Run(make, long_n, "head_tail", folder / "losses.json")
     return found
 
 
@@ -419,7 +421,7 @@ def parse_args():
     a("--imdb", type=Path, default=shared / "imdb" / "aclImdb_v1_text.tar.gz", help="aclImdb_v1 tarball")
     a("--out", type=Path, default=REPO / "work" / "long", help="output folder (default: work/long)")
     a("--factors", nargs="+", type=int, default=[4], help="n' = factor x n (default: 4)")
-    a("--control", action="store_true", help="also each model's further training at n, then head+tail truncation")
+    a("--control", action="store_true", help="--hf-dir: also each linearization at n, then head+tail truncation")
     a("--train-size", type=int, default=1000, help="IMDB training reviews, half of each class (default: 1000)")
     a("--test-size", type=int, default=1000, help="IMDB test reviews, half of each class (default: 1000)")
     a("--valid-size", type=int, default=200, help="training reviews held out for fairseq's validation")

@@ -379,15 +379,21 @@ def parse_args(argv=None):
     parser.add_argument("--out", type=Path, required=True, help="folder of the run (a rerun resumes it)")
     g = parser.add_argument_group("attention transfer (stage 1)")
     g.add_argument("--transfer-steps", type=int, default=100, help="Adam steps per layer (default: 100; 0 skips)")
-    g.add_argument("--transfer-lr", type=float, default=1e-3, help="default: 1e-3")
+    g.add_argument("--transfer-lr", type=float, help="default: 1e-3 x min(1, 4k/N), as --projection-lr")
     g.add_argument(
         "--transfer-blocks", type=int, default=32, help="blocks the layer inputs are taken from (default: 32)"
     )
+    g.add_argument("--transfer-batch", type=int, help="blocks a transfer step (default: --batch-blocks)")
     g = parser.add_argument_group("end-to-end distillation (stage 2)")
     g.add_argument("--distill-steps", type=int, default=500, help="steps (default: 500; 0 skips)")
     g.add_argument("--batch-blocks", type=int, default=4, help="blocks a step (default: 4)")
     g.add_argument("--lr", type=float, default=1e-4, help="peak lr of the Transformer weights (default: 1e-4)")
-    g.add_argument("--projection-lr", type=float, default=1e-3, help="peak lr of E/F (default: 1e-3)")
+    g.add_argument(
+        "--projection-lr",
+        type=float,
+        help="peak lr of E/F (default: 1e-3 x min(1, 4k/N): E/F start as means over windows of N/k "
+        "tokens, entries k/N; 1e-3 suits windows of 4 and wrecked windows of 16, docs/linearize.md)",
+    )
     g.add_argument("--short-fraction", type=float, default=0.25,
                    help="share of training blocks cut to a random shorter length (default: 0.25)")  # fmt: skip
     g.add_argument("--log-interval", type=int, default=10, help="default: 10")
@@ -410,9 +416,18 @@ def parse_args(argv=None):
         parser.error(f"--k {args.k} must be in 1..--max-positions ({args.max_positions})")
     if not 0 <= args.short_fraction <= 1:
         parser.error("--short-fraction must be in [0, 1]")
+    if args.transfer_batch is not None and args.transfer_batch < 1:
+        parser.error("--transfer-batch must be >= 1")
     for name in ("valid_blocks", "batch_blocks", "transfer_blocks", "log_interval", "save_interval"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    try:
+        narrowest = min(map(int, args.layer_compressed_dims.split(","))) if args.layer_compressed_dims else args.k
+    except ValueError:
+        parser.error(f"--layer-compressed-dims {args.layer_compressed_dims}: expected numbers, comma-separated")
+    scaled = 1e-3 * min(1.0, 4 * narrowest / args.max_positions)
+    args.transfer_lr = scaled if args.transfer_lr is None else args.transfer_lr
+    args.projection_lr = scaled if args.projection_lr is None else args.projection_lr
     return args
 
 
@@ -463,6 +478,7 @@ def main(argv=None):
             fail(f"--text has {len(blocks)} blocks of {n}: too few to hold out {args.valid_blocks}; give --valid-text")
         blocks, valid = blocks[: -args.valid_blocks], blocks[-args.valid_blocks :]
     print(f"text: {len(blocks)} training blocks of {n} tokens, {len(valid)} held out", flush=True)
+    print(f"lr of E/F: {args.transfer_lr:g} in the transfer, {args.projection_lr:g} in distillation", flush=True)
     teacher, _, _ = load(teacher_path)
     student, ns, state = load(out / "converted.pt")
     sts = sts_pairs(args.sts, tokenizer, n) if args.sts else None
@@ -480,7 +496,7 @@ def main(argv=None):
     elif args.transfer_steps:
         started = time.time()
         transfer(student, teacher, blocks[: args.transfer_blocks], args.transfer_steps, args.transfer_lr,
-                 args.batch_blocks, generator)  # fmt: skip
+                 args.transfer_batch or args.batch_blocks, generator)  # fmt: skip
         stages["transfer"] = {"fidelity": fidelity(student, teacher, valid, sts), "seconds": time.time() - started}
         checkpoints.write_checkpoint(state, ns, student, out / "transfer.pt", {"stage": "attention transfer"})
         write_text(report_path, json.dumps(report, indent=2, default=str) + "\n")

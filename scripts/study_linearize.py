@@ -72,6 +72,10 @@ RUNS = {
     "n128-k16-short": (SHORT, ["--k", "16", "--key-scale", "1", "--short-fraction", "0.75"]),
     "n128-k16-noscale": (SHORT, ["--k", "16", "--key-scale", "1"]),
 }
+# made before linearize.py scaled E/F's lr down for windows over 4 tokens (min(1, 4k/n)): they
+# keep the 1e-3 they were made with
+FIXED_LR = set(RUNS)
+RUNS["n128-k16-lrscaled"] = (SHORT, ["--k", "16"])  # every default of linearize.py
 SPECTRUM_LENGTHS = (128, 256, 512)
 SHORT_RUNS = [name for name, (n, _) in RUNS.items() if n == SHORT]
 TEACHER = "teacher-n128"  # the original at n = 128, finetuned beside the n = 128 Linformers
@@ -112,6 +116,8 @@ def run(args, name):
         flags = [spectrum_dims(spectrum(args, n), 128, n, dims[f]) if f in dims else f for f in flags]
     if "GRID" in flags:
         flags = [*(f for f in flags if f != "GRID"), "--distill-steps", args.grid_steps]
+    if name in FIXED_LR:
+        flags = [*flags, "--transfer-lr", "1e-3", "--projection-lr", "1e-3"]
     text, valid = args.wikitext / "wiki.train.tokens", args.wikitext / "wiki.valid.tokens"
     command = [sys.executable, SCRIPTS_DIR / "linearize.py", args.hf_dir, "--text", text, "--valid-text", valid,
                "--max-positions", n, "--out", folder, "--no-export", *flags]  # fmt: skip
@@ -204,7 +210,7 @@ def table(rows):
                # the converter scales keys only where they have projections of their own, with weights
                "key scale": a.get("key_scale", "window")
                if a["compress_sharing"] in ("none", "headwise") and a["compress_type"] in ("linear", "conv") else "-",
-               "short inputs": a["compress_length_norm"]}  # fmt: skip
+               "short inputs": a["compress_length_norm"], "E/F lr": f"{a['projection_lr']:g}"}  # fmt: skip
         for stage in ("converted", "transfer", "distillation"):
             fid = stages.get(stage, {}).get("fidelity", {})
             row[f"cosine {stage}"] = f"{fid['cosine']:.3f}" if fid else "-"

@@ -171,9 +171,11 @@ def linearized(args, long_n, k):
         log(f"linearizing at n={long_n}, k={k}, {args.linearize_steps} steps")
         out.parent.mkdir(parents=True, exist_ok=True)
         blocks = max(1, args.linearize_tokens // long_n)
+        # the transfer fits on 4 blocks a step however long: on one block of 2048 its steps were too noisy to help
         sh([sys.executable, SCRIPTS / "linearize.py", args.hf_dir, "--text", args.unlabeled, "--max-positions", long_n,
             "--k", k, "--out", out, "--no-export", "--distill-steps", args.linearize_steps, "--batch-blocks", blocks,
-            "--transfer-steps", args.transfer_steps, "--valid-blocks", args.valid_blocks, *args.linearize_flags],
+            "--transfer-steps", args.transfer_steps, "--transfer-batch", max(4, blocks),
+            "--valid-blocks", args.valid_blocks, *args.linearize_flags],
            out.with_suffix(".log"), args.threads)  # fmt: skip
     return out / "checkpoint.pt"
 
@@ -454,6 +456,7 @@ def parse_args():
     a("--jobs", type=int, default=1, help="runs at once, each on --threads threads (default: 1)")
     a("--threads", type=int, default=0, help="threads per process, 0 for torch's default")
     a("--timing-seconds", type=float, default=10, help="timed updates per run last at least this long (default: 10)")
+    a("--runs", nargs="+", metavar="NAME", help="only these runs, in this order (default: all; names as the report's)")
     a("--report-only", action="store_true", help="only write the report of what has finished")
     args = p.parse_args()
     positive = ["train_size", "test_size", "valid_size", "epochs", "batch", "seeds", "continue_updates", "jobs"]
@@ -501,9 +504,12 @@ def main():
                 fail(f"--ks {spec} gives k = {k_at(spec, long_n)} at n' = {long_n}: k must be in 1..n'")
     args.imdb_bin = prepare_imdb(args)
     specs = runs(args)
+    unknown = sorted(set(args.runs or []) - set(specs))
+    if unknown:
+        fail(f"--runs {' '.join(unknown)}: not runs of this study; its runs are {' '.join(specs)}")
     if not args.report_only:
         with ThreadPoolExecutor(args.jobs) as pool:
-            for done in [pool.submit(do_run, args, name, run) for name, run in specs.items()]:
+            for done in [pool.submit(do_run, args, name, specs[name]) for name in args.runs or specs]:
                 done.result()
     report(args, specs)
 

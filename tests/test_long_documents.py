@@ -168,10 +168,10 @@ def tarball_with_unlabeled(path):
 
 @pytest.mark.slow(minutes=3)
 def test_long_document_study_of_an_imported_encoder(tmp_path):
-    """--hf-dir on a tiny BERT (n = 64): the original truncated and extended to n' = 128 with full
-    attention, a Linformer linearized at n' (k = n'/4) on the unlabeled reviews, each finetuned
-    and predicting every test review; the linearization's fidelity and each run's cost are
-    reported, and a rerun redoes nothing. (--control: tests/test_study_quality.py.)"""
+    """--hf-dir on a tiny BERT (n = 64): the original truncated head+tail (--runs leaves out head
+    alone) and extended to n' = 128 with full attention, a Linformer linearized at n' (k = n'/4)
+    on the unlabeled reviews, each finetuned and predicting every test review; the
+    linearization's fidelity and each run's cost are reported, and a rerun redoes nothing."""
     from test_import_hf import save_tiny
 
     hf = save_tiny(tmp_path / "hf", "bert", head=False)
@@ -180,10 +180,14 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
     cmd += ["--imdb", tarball_with_unlabeled(tmp_path / "imdb.tar.gz"), "--train-size", 16, "--test-size", 8]
     cmd += ["--valid-size", 4, "--epochs", 1, "--batch", 4, "--seeds", 1, "--factors", 2, "--ks", "n/4"]
     cmd += ["--linearize-steps", 6, "--linearize-tokens", 256, "--transfer-steps", 4, "--valid-blocks", 2]
-    cmd += ["--timing-seconds", 0.2, "--linearize-flags", "--lr", "5e-4"]
+    cmd += ["--timing-seconds", 0.2]
+    refused = subprocess.run([*map(str, cmd), "--runs", "original-n64-tail"], capture_output=True, text=True)
+    assert refused.returncode != 0 and "original-n64-tail: not runs of this study" in refused.stderr
+    cmd += ["--runs", "linformer-n128-k32-s6", "original-n128", "original-n64-head_tail"]
+    cmd += ["--linearize-flags", "--lr", "5e-4"]
     run(cmd)
-    results = json.loads((out / "results.json").read_text())
-    assert list(results) == ["original-n64-head", "original-n64-head_tail", "original-n128", "linformer-n128-k32-s6"]
+    results = json.loads((out / "results.json").read_text())  # the report's order, not --runs' order
+    assert list(results) == ["original-n64-head_tail", "original-n128", "linformer-n128-k32-s6"]
     for name, r in results.items():
         assert len(r["all"]) == 1 and 0 <= r["all"][0] <= 100, (name, r)
         assert r["seconds_per_update"] > 0 and r["peak_mb"] > 0 and r["documents_per_second"] > 0

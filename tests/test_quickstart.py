@@ -91,7 +91,7 @@ def test_roberta_baseline_beside_the_linformer(run):
     import linformer_fairseq  # noqa: F401  (allow-lists the Namespace in RoBERTa's checkpoint)
 
     out, stdout = run
-    baseline = quickstart(out, "--roberta", "--pretrain-updates", "250", "--finetune-epochs", "2")
+    baseline = quickstart(out, "--roberta", "--pretrain-updates", "120", "--finetune-epochs", "1")
     for step in ("corpus", "sentencepiece training", "binarizing", "SST-2"):
         assert f"skip {step}" in baseline, step
     (first, last, _), (accuracy, majority) = results(baseline)

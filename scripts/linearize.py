@@ -383,7 +383,9 @@ def parse_args(argv=None):
     g.add_argument(
         "--transfer-blocks", type=int, default=32, help="blocks the layer inputs are taken from (default: 32)"
     )
-    g.add_argument("--transfer-batch", type=int, help="blocks a transfer step (default: --batch-blocks)")
+    g.add_argument("--transfer-batch", type=int,
+                   help="blocks a transfer step (default: --batch-blocks, at least 4: on one block of 2048 the "
+                        "transfer's steps were too noisy to help)")  # fmt: skip
     g = parser.add_argument_group("end-to-end distillation (stage 2)")
     g.add_argument("--distill-steps", type=int, default=500, help="steps (default: 500; 0 skips)")
     g.add_argument("--batch-blocks", type=int, default=4, help="blocks a step (default: 4)")
@@ -496,7 +498,7 @@ def main(argv=None):
     elif args.transfer_steps:
         started = time.time()
         transfer(student, teacher, blocks[: args.transfer_blocks], args.transfer_steps, args.transfer_lr,
-                 args.transfer_batch or args.batch_blocks, generator)  # fmt: skip
+                 args.transfer_batch or max(4, args.batch_blocks), generator)  # fmt: skip
         stages["transfer"] = {"fidelity": fidelity(student, teacher, valid, sts), "seconds": time.time() - started}
         checkpoints.write_checkpoint(state, ns, student, out / "transfer.pt", {"stage": "attention transfer"})
         write_text(report_path, json.dumps(report, indent=2, default=str) + "\n")

@@ -171,11 +171,9 @@ def linearized(args, long_n, k):
         log(f"linearizing at n={long_n}, k={k}, {args.linearize_steps} steps")
         out.parent.mkdir(parents=True, exist_ok=True)
         blocks = max(1, args.linearize_tokens // long_n)
-        # the transfer fits on 4 blocks a step however long: on one block of 2048 its steps were too noisy to help
         sh([sys.executable, SCRIPTS / "linearize.py", args.hf_dir, "--text", args.unlabeled, "--max-positions", long_n,
             "--k", k, "--out", out, "--no-export", "--distill-steps", args.linearize_steps, "--batch-blocks", blocks,
-            "--transfer-steps", args.transfer_steps, "--transfer-batch", max(4, blocks),
-            "--valid-blocks", args.valid_blocks, *args.linearize_flags],
+            "--transfer-steps", args.transfer_steps, "--valid-blocks", args.valid_blocks, *args.linearize_flags],
            out.with_suffix(".log"), args.threads)  # fmt: skip
     return out / "checkpoint.pt"
 

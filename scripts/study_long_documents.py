@@ -28,8 +28,9 @@ Steps, each skipped when its output exists (a killed study resumes where it stop
    model reads cut head+tail: the first n/4 tokens and the rest from the end, as Sun et al.
    2019); each final model predicts the test subset: accuracy overall and by review length;
 4. the cost at the length each run reads, measured alone after the runs: seconds per
-   finetuning update and its peak memory (--batch documents), documents per second when
-   predicting; OUT/report.md, OUT/results.json and OUT/accuracy_by_length.png.
+   finetuning update (--batch documents, in steps of at most --step-tokens tokens) and the peak
+   memory of a step, documents per second when predicting; OUT/report.md, OUT/results.json and
+   OUT/accuracy_by_length.png.
 """
 
 import argparse
@@ -218,17 +219,18 @@ def finetune(args, name, run, seed):
         return
     checkpoint = run.pretrained()
     total = -(-args.train_size // args.batch) * args.epochs
+    step = step_batch(args, run.reads)
     if not (out.parent / f"seed{seed}.log").exists():
         log(f"{name}: finetuning, seed {seed}")
         out.parent.mkdir(parents=True, exist_ok=True)
         sh(
-            [SCRIPTS / "finetune.sh", "--cpu", "--batch-size", args.batch, "--global-batch", args.batch]
+            [SCRIPTS / "finetune.sh", "--cpu", "--batch-size", step, "--global-batch", args.batch]
             + ["--data", args.imdb_bin, "--seed", seed, "--save-dir", out, "imdb", checkpoint]
             + [f"truncation={run.truncation}", f"++task.truncation_head_tokens={args.n // 4}"]
             + [f"optimization.max_epoch={args.epochs}", f"optimization.max_update={total}"]
             + [f"optimization.lr=[{args.lr}]", f"lr_scheduler.warmup_updates={max(1, total * 6 // 100)}"]
-            # every review of a batch fits: the same reviews per update at every length
-            + [f"dataset.max_tokens={args.batch * run.reads}", "dataset.num_workers=0"]
+            # every review of a step fits: the same reviews per update at every length
+            + [f"dataset.max_tokens={step * run.reads}", "dataset.num_workers=0"]
             + ["common.log_format=simple", f"common.log_interval={max(1, total // 20)}"],
             out.parent / f"seed{seed}.log",
             threads=args.threads,
@@ -288,6 +290,8 @@ def report(args, specs):
         for m in sorted({n} | {n * f for f in args.factors})
     )
     lines += [f"Test reviews ({len(lengths)}, with <s> and </s>): {shares}.", ""]
+    steps = ", ".join(f"{step_batch(args, m)} reviews a step at {m}" for m in sorted({r.reads for r in specs.values()}))
+    lines += [f"An update of {args.batch} reviews in steps of at most {args.step_tokens} tokens: {steps}.", ""]
     bins = length_bins(n, args.factors)
     reviews = [sum(keep(x) for x in lengths) for _, keep in bins]
     header = ["run", "reads", "truncation", "accuracy", f"<= {n} tokens", f"> {n} tokens", "s/update", "peak MB"]
@@ -404,8 +408,21 @@ def cost_of(args, name, run):
     path = args.out / "timing" / f"{name}.json"
     if not path.exists():
         model, task = load(run.pretrained(), args.original if args.hf_dir else args.data_bin)  # its dict.txt
-        write_text(path, json.dumps(finetuning_cost(model, task, args.batch, run.reads, args.timing_seconds)))
+        step = step_batch(args, run.reads)
+        cost = finetuning_cost(model, task, step, run.reads, args.timing_seconds)
+        cost["seconds_per_update"] *= args.batch // step  # an update is batch // step steps
+        write_text(path, json.dumps({**cost, "reviews_per_step": step}))
     return json.loads(path.read_text())
+
+
+def step_batch(args, reads):
+    """Reviews a finetuning step holds at this length: --batch, fewer past --step-tokens (an update
+    then takes several steps): the original at n' = 2048 with full attention, 8 reviews a step,
+    was killed for memory at 16 GB."""
+    step = max(1, min(args.batch, args.step_tokens // reads))
+    while args.batch % step:
+        step -= 1
+    return step
 
 
 # ---------------------------------------------------------------- command line
@@ -427,6 +444,9 @@ def parse_args():
     a("--valid-size", type=int, default=200, help="training reviews held out for fairseq's validation")
     a("--epochs", type=int, default=2, help="finetuning epochs (default: 2)")
     a("--batch", type=int, default=8, help="reviews per update (default: 8)")
+    a("--step-tokens", type=int, default=4096,
+      help="tokens a finetuning step holds: at longer lengths an update of --batch reviews takes several steps, "
+           "each of fewer reviews; the cost is measured on one step (default: 4096)")  # fmt: skip
     a("--lr", type=float, default=1e-4, help="finetuning peak lr (default: 1e-4)")
     a("--seeds", type=int, default=3, help="finetuning seeds (default: 3)")
     g = p.add_argument_group("--hf-dir: linearization (scripts/linearize.py)")
@@ -458,6 +478,7 @@ def parse_args():
     a("--report-only", action="store_true", help="only write the report of what has finished")
     args = p.parse_args()
     positive = ["train_size", "test_size", "valid_size", "epochs", "batch", "seeds", "continue_updates", "jobs"]
+    positive += ["step_tokens"]
     for name in positive + ["linearize_steps", "linearize_tokens", "valid_blocks"]:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")

@@ -180,7 +180,7 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
     cmd += ["--imdb", tarball_with_unlabeled(tmp_path / "imdb.tar.gz"), "--train-size", 16, "--test-size", 8]
     cmd += ["--valid-size", 4, "--epochs", 1, "--batch", 4, "--seeds", 1, "--factors", 2, "--ks", "n/4"]
     cmd += ["--linearize-steps", 6, "--linearize-tokens", 256, "--transfer-steps", 4, "--valid-blocks", 2]
-    cmd += ["--timing-seconds", 0.2]
+    cmd += ["--timing-seconds", 0.2, "--step-tokens", 256]  # at n' = 128 an update of 4 takes 2 steps of 2
     refused = subprocess.run([*map(str, cmd), "--runs", "original-n64-tail"], capture_output=True, text=True)
     assert refused.returncode != 0 and "original-n64-tail: not runs of this study" in refused.stderr
     cmd += ["--runs", "linformer-n128-k32-s6", "original-n128", "original-n64-head_tail"]
@@ -191,6 +191,10 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
     for name, r in results.items():
         assert len(r["all"]) == 1 and 0 <= r["all"][0] <= 100, (name, r)
         assert r["seconds_per_update"] > 0 and r["peak_mb"] > 0 and r["documents_per_second"] > 0
+        step = 4 if name == "original-n64-head_tail" else 2
+        assert r["reviews_per_step"] == step, (name, r)
+        plan = f"batch: {step} sequences per GPU x update_freq {4 // step} x world size 1 = global batch 4"
+        assert plan in (out / "runs" / name / "seed1.log").read_text(), name
         rows = json.loads((out / "runs" / name / "seed1" / "predictions.json").read_text())
         assert len(rows) == 8 and sum(length > N for length, _, _ in rows) >= 4  # whole lengths recorded
     # the Linformer's k and n' are the run's, its teacher the original extended to n'

@@ -418,9 +418,8 @@ def parse_args(argv=None):
         parser.error(f"--k {args.k} must be in 1..--max-positions ({args.max_positions})")
     if not 0 <= args.short_fraction <= 1:
         parser.error("--short-fraction must be in [0, 1]")
-    if args.transfer_batch is not None and args.transfer_batch < 1:
-        parser.error("--transfer-batch must be >= 1")
-    for name in ("valid_blocks", "batch_blocks", "transfer_blocks", "log_interval", "save_interval"):
+    args.transfer_batch = max(4, args.batch_blocks) if args.transfer_batch is None else args.transfer_batch
+    for name in ("valid_blocks", "batch_blocks", "transfer_blocks", "transfer_batch", "log_interval", "save_interval"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     try:
@@ -498,7 +497,7 @@ def main(argv=None):
     elif args.transfer_steps:
         started = time.time()
         transfer(student, teacher, blocks[: args.transfer_blocks], args.transfer_steps, args.transfer_lr,
-                 args.transfer_batch or max(4, args.batch_blocks), generator)  # fmt: skip
+                 args.transfer_batch, generator)  # fmt: skip
         stages["transfer"] = {"fidelity": fidelity(student, teacher, valid, sts), "seconds": time.time() - started}
         checkpoints.write_checkpoint(state, ns, student, out / "transfer.pt", {"stage": "attention transfer"})
         write_text(report_path, json.dumps(report, indent=2, default=str) + "\n")

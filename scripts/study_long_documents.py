@@ -477,8 +477,8 @@ def parse_args():
     a("--runs", nargs="+", metavar="NAME", help="only these runs, in this order (default: all; names as the report's)")
     a("--report-only", action="store_true", help="only write the report of what has finished")
     args = p.parse_args()
-    positive = ["train_size", "test_size", "valid_size", "epochs", "batch", "seeds", "continue_updates", "jobs"]
-    positive += ["step_tokens"]
+    positive = ["train_size", "test_size", "valid_size", "epochs", "batch", "step_tokens", "seeds", "jobs"]
+    positive += ["continue_updates"]
     for name in positive + ["linearize_steps", "linearize_tokens", "valid_blocks"]:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")

@@ -344,12 +344,13 @@ def test_linearize_trains_the_projections_then_every_weight(tmp_path):
 @pytest.mark.slow
 def test_linearize_transfers_a_layerwise_projection(tmp_path):
     """With layerwise sharing the one projection (the encoder's compress_layer) is what the
-    transfer fits, at the first layer."""
+    transfer fits, at the first layer. The defaults it ran with are recorded: E/F's lr scaled by
+    the window (1e-3 x 4k/N for windows of N/k = 8), at least 4 blocks a transfer step."""
     original = sharp_tiny_bert(tmp_path / "hf")
     out = tmp_path / "run"
     argv = [original, "--text", TEXT, "--max-positions", N, "--k", 8, "--out", out, "--compress-sharing", "layerwise",
             "--transfer-steps", 10, "--transfer-blocks", 8, "--distill-steps", 0, "--valid-blocks", 4,
-            "--no-export"]  # fmt: skip
+            "--batch-blocks", 1, "--no-export"]  # fmt: skip
     done = subprocess.run(
         [sys.executable, SCRIPTS / "linearize.py", *map(str, argv)], env=ENV, capture_output=True, text=True
     )
@@ -357,8 +358,10 @@ def test_linearize_transfers_a_layerwise_projection(tmp_path):
     shared = "encoder.sentence_encoder.compress_layer.weight"
     converted = checkpoints.read_checkpoint(out / "converted.pt")["model"][shared]
     assert not torch.equal(checkpoints.read_checkpoint(out / "transfer.pt")["model"][shared], converted)
-    stages = json.loads((out / "report.json").read_text())["stages"]
+    report = json.loads((out / "report.json").read_text())
+    stages, used = report["stages"], report["args"]
     assert stages["transfer"]["fidelity"]["attention"][0] < stages["converted"]["fidelity"]["attention"][0]
+    assert (used["transfer_lr"], used["projection_lr"], used["transfer_batch"]) == (5e-4, 5e-4, 4), used
 
 
 @pytest.mark.slow(minutes=2)

@@ -67,7 +67,6 @@ DATA=${DATA:-$DATA_ROOT/$(task_folder "$TASK")-bin}
 CHECKPOINT=$(realpath "$CHECKPOINT")
 SAVE_DIR=${SAVE_DIR:-checkpoints/finetune/$(basename "$(dirname "$CHECKPOINT")")/$TASK/seed$SEED}
 
-OVERRIDES=("task.data=$(hydra_quote "$DATA")" "common.seed=$SEED")
-start_from "$CHECKPOINT"
-OVERRIDES+=("${ARGS[@]:2}")
+OVERRIDES=("task.data=$(hydra_quote "$DATA")" "common.seed=$SEED" "${ARGS[@]:2}")
+FROM=$CHECKPOINT
 launch "$REPO/configs/finetuning" "$TASK"

@@ -110,60 +110,36 @@ print_plan() {  # WORLD BATCH UPDATE_FREQ GLOBAL_BATCH
     fi
 }
 
-# find_resume: set RESUME to the checkpoint a relaunch continues from (SAVE_DIR/checkpoint_last.pt
-# when it loads; when it does not, e.g. a kill during fairseq's plain copy onto it, the newest
-# complete checkpoint in SAVE_DIR), or to '' for a fresh start; RESUME_NOTE says why if not the last
-RESUME='' RESUME_NOTE=''
-find_resume() {
-    SAVE_DIR=$(realpath -m "$SAVE_DIR")  # every node and rank must see the same path
-    [[ -e $SAVE_DIR/checkpoint_last.pt ]] || return 0
-    local answer flags=()
-    if ((DRY_RUN)); then
-        flags+=(--dry-run)
-    fi
-    answer=$("$PYTHON" -m linformer_tools.launch resume "$SAVE_DIR" "${flags[@]}")
-    RESUME=${answer%%$'\n'*}
-    [[ $answer == *$'\n'* ]] && RESUME_NOTE=${answer#*$'\n'}
-    return 0
-}
-
-# start_from CHECKPOINT: the model as CHECKPOINT holds it (architecture, max_positions, k,
-# sharing, ...) and where training starts: a relaunch with the same SAVE_DIR continues its own
-# run with its optimizer state; otherwise CHECKPOINT's weights, with the fresh optimizer,
-# schedule and data order that the config's checkpoint.reset_* ask for
-start_from() {
-    [[ -f $1 ]] || die "checkpoint $1 does not exist"
-    local checkpoint model
-    checkpoint=$(realpath "$1")
-    model=$("$PYTHON" -m linformer_tools.launch model "$checkpoint")
-    mapfile -t -O "${#OVERRIDES[@]}" OVERRIDES <<<"$model"
-    find_resume
-    if [[ -z $RESUME ]]; then
-        OVERRIDES+=("checkpoint.restore_file=$(hydra_quote "$checkpoint")")
-        return
-    fi
-    if [[ $RESUME == "$SAVE_DIR/checkpoint_last.pt" ]]; then
-        OVERRIDES+=(checkpoint.restore_file=checkpoint_last.pt)
-    else
-        OVERRIDES+=("checkpoint.restore_file=$(hydra_quote "$RESUME")")
-    fi
-    OVERRIDES+=(checkpoint.reset_optimizer=false checkpoint.reset_lr_scheduler=false)
-    OVERRIDES+=(checkpoint.reset_dataloader=false checkpoint.reset_meters=false)
-}
-
-# launch CONFIG_DIR CONFIG: plan the batch, then print and (unless --dry-run) run the training
+# launch CONFIG_DIR CONFIG: plan the run, then print and (unless --dry-run) run the training.
+# The plan is one Python (importing fairseq takes seconds): where the run resumes in SAVE_DIR
+# (RESUME: SAVE_DIR/checkpoint_last.pt if it loads, else the newest complete checkpoint, with
+# RESUME_NOTE saying why; none for a fresh start), and with FROM set, the model FROM holds and
+# its weights to start from (a relaunch continues its own run, optimizer and all), then OVERRIDES
+# and the batch arithmetic. BLOCKS_OF_MODEL_LENGTH=1: pretraining blocks of FROM's max_positions.
+FROM='' BLOCKS_OF_MODEL_LENGTH=0 RESUME='' RESUME_NOTE='' TOKEN_CAP_NOTE=''
 launch() {
-    local config_dir=$1 config=$2 plan batch update_freq global_batch
+    local config_dir=$1 config=$2 answer line batch update_freq global_batch flags=()
     set_world_size
-    plan=$("$PYTHON" -m linformer_tools.launch batch "$config_dir" "$config" \
-        "${OVERRIDES[@]}" --world-size "$WORLD" \
-        ${BATCH_SIZE:+--batch-size "$BATCH_SIZE"} ${GLOBAL_BATCH:+--global-batch "$GLOBAL_BATCH"})
-    read -r batch update_freq global_batch <<<"${plan%%$'\n'*}"
-    TOKEN_CAP_NOTE=""
-    if [[ $plan == *$'\n'* ]]; then  # a second line: dataset.max_tokens caps the batch
-        TOKEN_CAP_NOTE=${plan#*$'\n'}
-    fi
     SAVE_DIR=$(realpath -m "$SAVE_DIR")  # every node and rank must see the same path
+    if [[ -n $FROM ]]; then
+        [[ -f $FROM ]] || die "checkpoint $FROM does not exist"
+        flags+=(--from "$(realpath "$FROM")")
+    fi
+    ((BLOCKS_OF_MODEL_LENGTH)) && flags+=(--blocks-of-model-length)
+    ((DRY_RUN)) && flags+=(--dry-run)
+    answer=$("$PYTHON" -m linformer_tools.launch plan "$config_dir" "$config" "${OVERRIDES[@]}" \
+        --world-size "$WORLD" --save-dir "$SAVE_DIR" "${flags[@]}" \
+        ${BATCH_SIZE:+--batch-size "$BATCH_SIZE"} ${GLOBAL_BATCH:+--global-batch "$GLOBAL_BATCH"})
+    OVERRIDES=()
+    while IFS= read -r line; do
+        case ${line%% *} in
+            override) OVERRIDES+=("${line#* }") ;;
+            batch) read -r batch update_freq global_batch <<<"${line#* }" ;;
+            note) TOKEN_CAP_NOTE=${line#* } ;;
+            resume) RESUME=${line#* } ;;
+            resume_note) RESUME_NOTE=${line#* } ;;
+        esac
+    done <<<"$answer"
 
     local cmd=("$PYTHON" -m fairseq_cli.hydra_train --config-dir "$config_dir" --config-name "$config"
         "common.user_dir=$(hydra_quote "$REPO/linformer_fairseq")"

@@ -55,21 +55,9 @@ OVERRIDES=("task.data=$(hydra_quote "$DATA")")
 if [[ -n $FROM ]]; then
     FROM_NAME=$(basename "$FROM")
     SAVE_DIR=${SAVE_DIR:-checkpoints/$CONFIG/${FROM_NAME%.pt}}
-    start_from "$FROM"
-    # blocks of the model's own length, with the per-GPU batch of that length's seq_len config
-    # when the config is built on recipe.yaml and one exists (seq_len/n2048.yaml: 4 x 2048 tokens)
-    N=$(printf '%s\n' "${OVERRIDES[@]}" | sed -n 's/^++model.max_positions=//p')
-    if [[ -f $REPO/configs/pretraining/seq_len/n$N.yaml ]] &&
-        grep -qE '^ *- (recipe|seq_len)' "$REPO/configs/pretraining/$CONFIG.yaml"; then
-        OVERRIDES+=("seq_len=n$N")
-    fi
-    OVERRIDES+=("task.tokens_per_sample=$N")
+    BLOCKS_OF_MODEL_LENGTH=1
 else
     SAVE_DIR=${SAVE_DIR:-checkpoints/$CONFIG}
-    find_resume
-    if [[ -n $RESUME && $RESUME != "$SAVE_DIR/checkpoint_last.pt" ]]; then  # fairseq's default is the last
-        OVERRIDES+=("checkpoint.restore_file=$(hydra_quote "$RESUME")")
-    fi
 fi
 OVERRIDES+=("${ARGS[@]:2}")
 launch "$REPO/configs/pretraining" "$CONFIG"

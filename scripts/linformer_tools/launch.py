@@ -1,19 +1,28 @@
-"""The arithmetic and look-ups behind the training launchers (scripts/pretrain.sh,
-scripts/finetune.sh, scripts/slurm/*.sbatch): python -m linformer_tools.launch COMMAND ...
+"""What the training launchers (scripts/pretrain.sh, scripts/finetune.sh, scripts/slurm/*.sbatch)
+work out before fairseq starts, in one process: each Python that imports fairseq spends seconds
+on it, so a launch plans in one and trains in another.
 
-  batch  CONFIG_DIR CONFIG [OVERRIDE ...]   per-GPU batch, update_freq and global batch that
-         keep the config's global batch (dataset.batch_size x update_freq x
-         distributed_world_size, e.g. 16 x 2 x 64 = 2048 for pretraining) at --world-size GPUs
-  model  CHECKPOINT                        the hydra overrides that rebuild a checkpoint's model
-                                           (architecture, k, sharing, max_positions), one a line
-  resume SAVE_DIR [--dry-run]              the checkpoint a relaunch resumes from: the first line
-         is SAVE_DIR/checkpoint_last.pt if it loads, else the newest complete checkpoint in
-         SAVE_DIR (fairseq writes checkpoint_last.pt by a plain copy, which a kill can cut
-         short), else empty; a second line, if any, says why it is not checkpoint_last.pt
+  python -m linformer_tools.launch plan CONFIG_DIR CONFIG [OVERRIDE ...] --world-size W
+         --save-dir DIR [--from CHECKPOINT [--blocks-of-model-length]] [--batch-size B]
+         [--global-batch G] [--dry-run]
+
+prints one "KEY VALUE" line each:
+  resume PATH      the checkpoint a relaunch resumes from: DIR/checkpoint_last.pt if it loads,
+                   else the newest complete checkpoint in DIR (fairseq writes checkpoint_last.pt
+                   by a plain copy, which a kill can cut short); no line for a fresh start
+  resume_note TEXT why it is not DIR/checkpoint_last.pt
+  override X       every hydra override of the run, in order: what --from implies (the model
+                   CHECKPOINT holds: architecture, k, sharing, max_positions; where training
+                   starts), then the caller's
+  batch B U G      per-GPU batch, update_freq and global batch that keep the config's global
+                   batch (dataset.batch_size x update_freq x distributed_world_size, e.g.
+                   16 x 2 x 64 = 2048 for pretraining) at W GPUs
+  note TEXT        what dataset.max_tokens leaves of that batch
 """
 
 import argparse
 import logging
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -43,11 +52,17 @@ FINETUNING_CHOICES = {
 }
 
 
+def config_file(config_dir: Path, name: str) -> Path:
+    path = config_dir / f"{name}.yaml"
+    if not path.is_file():
+        choices = sorted(p.stem for p in config_dir.glob("*.yaml") if p.stem != "recipe")
+        fail(f"no config {path}; choose one of: {' '.join(choices)}")
+    return path
+
+
 def compose(config_dir: Path, name: str, overrides, return_hydra_config=False):
     """The config as fairseq-hydra-train composes it (validated against FairseqConfig)."""
-    if not (config_dir / f"{name}.yaml").is_file():
-        choices = sorted(p.stem for p in config_dir.glob("*.yaml") if p.stem != "recipe")
-        fail(f"no config {config_dir / name}.yaml; choose one of: {' '.join(choices)}")
+    config_file(config_dir, name)
     from fairseq.dataclass.initialize import hydra_init
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -65,12 +80,9 @@ def compose(config_dir: Path, name: str, overrides, return_hydra_config=False):
         fail(f"{config_dir / name}.yaml with overrides {' '.join(overrides)}: {e}")
 
 
-def batch_plan(args):
-    for override in args.overrides:
-        key = override.lstrip("+~").split("=", 1)[0]
-        if key in LAUNCHER_KEYS:
-            fail(f"set {key} with the launcher's {LAUNCHER_KEYS[key]}, not as an override")
-    cfg = compose(args.config_dir, args.config, args.overrides)
+def batch_plan(args, overrides):
+    """The "batch" line, and a "note" line if dataset.max_tokens caps the batch."""
+    cfg = compose(args.config_dir, args.config, overrides)
     batch, update_freq = cfg.dataset.batch_size, list(cfg.optimization.update_freq)
     if batch is None or len(update_freq) != 1:
         fail(f"{args.config}: needs dataset.batch_size and a single optimization.update_freq")
@@ -83,10 +95,9 @@ def batch_plan(args):
             f"sequences per GPU x {args.world_size} GPUs = {per_step}: choose a GPU count and "
             f"--batch-size whose product divides {global_batch}"
         )
-    print(batch, global_batch // per_step, global_batch)
+    lines = [f"batch {batch} {global_batch // per_step} {global_batch}"]
     note = token_cap_note(cfg, batch, global_batch)
-    if note:
-        print(note)
+    return lines + [f"note {note}"] if note else lines
 
 
 def token_cap_note(cfg, batch, global_batch):
@@ -122,31 +133,39 @@ def hydra_value(value) -> str:
     return f"'{text}'"
 
 
-def model_overrides(args):
+def model_overrides(checkpoint: Path):
+    """The overrides that rebuild CHECKPOINT's model, its max_positions."""
     import torch
-
-    import_plugin()  # models, safe loader
     from fairseq.models import ARCH_MODEL_NAME_REGISTRY, MODEL_DATACLASS_REGISTRY, MODEL_REGISTRY
 
     try:  # mmap: only the config is read, not gigabytes of weights
-        state = torch.load(args.checkpoint, map_location="cpu", mmap=True, weights_only=True)
+        state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
         model_cfg = (state.get("cfg") or {}).get("model") or state["args"]
     except Exception as e:
-        fail(f"{args.checkpoint} is not a fairseq checkpoint with a model config: {e}")
+        fail(f"{checkpoint} is not a fairseq checkpoint with a model config: {e}")
     fields = model_cfg if isinstance(model_cfg, dict) else vars(model_cfg)
     arch = fields.get("_name") or fields.get("arch")
     name = ARCH_MODEL_NAME_REGISTRY.get(arch, arch)
     if name not in MODEL_REGISTRY:
-        fail(f"{args.checkpoint}: unknown model {arch!r}")
+        fail(f"{checkpoint}: unknown model {arch!r}")
     if name in MODEL_DATACLASS_REGISTRY:
         keys = set(MODEL_DATACLASS_REGISTRY[name].__dataclass_fields__)
     else:  # an argparse-only model (RoBERTa): its fields are its flags
         parser = argparse.ArgumentParser(add_help=False)
         MODEL_REGISTRY[name].add_args(parser)
         keys = {action.dest for action in parser._actions}
-    print(f"++model._name={hydra_value(name)}")
-    for key in sorted((keys - FINETUNING_CHOICES - {"_name"}) & set(fields)):
-        print(f"++model.{key}={hydra_value(fields[key])}")
+    kept = sorted((keys - FINETUNING_CHOICES - {"_name"}) & set(fields))
+    overrides = [f"++model._name={hydra_value(name)}"] + [f"++model.{key}={hydra_value(fields[key])}" for key in kept]
+    return overrides, fields.get("max_positions")
+
+
+def block_overrides(config_dir: Path, config: str, length):
+    """Pretraining blocks of the model's own length, with the per-GPU batch of that length's
+    seq_len config when the config is built on recipe.yaml and one exists (seq_len/n2048.yaml:
+    4 x 2048 tokens)."""
+    on_recipe = re.search(r"^ *- (recipe|seq_len)", config_file(config_dir, config).read_text(), re.M)
+    seq_len = [f"seq_len=n{length}"] if on_recipe and (config_dir / "seq_len" / f"n{length}.yaml").is_file() else []
+    return seq_len + [f"task.tokens_per_sample={length}"]
 
 
 def checkpoint_updates(path: Path):
@@ -167,19 +186,18 @@ def first_line(error: Exception) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
-def resume_point(args):
-    last = args.save_dir / "checkpoint_last.pt"
+def resume_point(save_dir: Path, dry_run: bool):
+    """(checkpoint a relaunch resumes from or None, why it is not checkpoint_last.pt or None)."""
+    last = save_dir / "checkpoint_last.pt"
     if not last.exists():
-        return
-    import_plugin()
+        return None, None
     try:
         checkpoint_updates(last)
-        print(last)
-        return
+        return last, None
     except Exception as e:
         problem = f"{last} does not load ({first_line(e)}), e.g. a run killed while fairseq copied it"
     complete = []
-    for path in args.save_dir.glob("checkpoint*.pt"):
+    for path in save_dir.glob("checkpoint*.pt"):
         if path.name == last.name:
             continue
         try:
@@ -188,44 +206,78 @@ def resume_point(args):
             continue  # another incomplete copy (checkpoint_best.pt is one too)
     if complete:
         updates, _, newest = max(complete)
-        print(newest)
-        print(f"resume: {problem}: resuming from the newest complete checkpoint, {newest.name} ({updates} updates)")
-        return
+        return (
+            newest,
+            f"resume: {problem}: resuming from the newest complete checkpoint, {newest.name} ({updates} updates)",
+        )
     aside = last.with_name(last.name + ".incomplete")
-    if not args.dry_run:
+    if not dry_run:
         try:  # every rank of a Slurm job may get here: the first one moves it
             last.rename(aside)
         except FileNotFoundError:
             pass
-    print()
-    print(
-        f"resume: {problem}, and {args.save_dir} holds no complete checkpoint: starting from scratch "
-        f"({'would move' if args.dry_run else 'moved'} it to {aside.name})"
+    return None, (
+        f"resume: {problem}, and {save_dir} holds no complete checkpoint: starting from scratch "
+        f"({'would move' if dry_run else 'moved'} it to {aside.name})"
     )
+
+
+def start_overrides(start: Path, save_dir: Path, resume):
+    """Where training starts: START's weights with the fresh optimizer, schedule and data order
+    that the config's checkpoint.reset_* ask for, or a relaunch's own run with its optimizer."""
+    if resume is None:
+        return [f"checkpoint.restore_file={hydra_value(str(start))}"]
+    restore = "checkpoint_last.pt" if resume == save_dir / "checkpoint_last.pt" else hydra_value(str(resume))
+    keep = ("optimizer", "lr_scheduler", "dataloader", "meters")
+    return [f"checkpoint.restore_file={restore}"] + [f"checkpoint.reset_{k}=false" for k in keep]
+
+
+def plan(args):
+    for override in args.overrides:
+        key = override.lstrip("+~").split("=", 1)[0]
+        if key in LAUNCHER_KEYS:
+            fail(f"set {key} with the launcher's {LAUNCHER_KEYS[key]}, not as an override")
+    config_file(args.config_dir, args.config)  # bad input fails before fairseq's seconds of import
+    import_plugin()  # the models' registry and the safe loader
+    resume, note = resume_point(args.save_dir, args.dry_run)
+    lines = [f"resume {resume}"] if resume else []
+    lines += [f"resume_note {note}"] if note else []
+    derived = []
+    if args.start:
+        derived, length = model_overrides(args.start)
+        derived += start_overrides(args.start, args.save_dir, resume)
+        if args.blocks_of_model_length:
+            if not length:
+                fail(f"{args.start}: its model has no max_positions to take the blocks' length from")
+            derived += block_overrides(args.config_dir, args.config, length)
+    elif resume and resume != args.save_dir / "checkpoint_last.pt":  # fairseq's default is the last
+        derived = [f"checkpoint.restore_file={hydra_value(str(resume))}"]
+    overrides = derived + args.overrides
+    lines += [f"override {o}" for o in overrides] + batch_plan(args, overrides)
+    print("\n".join(lines))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("batch", help="update_freq for a GPU count")
+    b = sub.add_parser("plan", help="resume point, overrides and batch of a launch")
     b.add_argument("config_dir", type=Path)
     b.add_argument("config")
     b.add_argument("overrides", nargs="*", help="hydra overrides the run will also get")
     b.add_argument("--world-size", type=int, required=True, help="GPUs (processes) in the run")
+    b.add_argument("--save-dir", type=Path, required=True, help="the run's folder (resumes from its checkpoints)")
+    b.add_argument("--from", dest="start", type=Path, help="a checkpoint: its model, and its weights to start from")
+    b.add_argument("--blocks-of-model-length", action="store_true", help="pretrain on blocks of --from's max_positions")
     b.add_argument("--batch-size", type=int, help="sequences per GPU per step (default: the config's)")
     b.add_argument("--global-batch", type=int, help="sequences per update (default: the config's)")
-    m = sub.add_parser("model", help="model overrides from a checkpoint")
-    m.add_argument("checkpoint", type=Path)
-    r = sub.add_parser("resume", help="the checkpoint a relaunch resumes from")
-    r.add_argument("save_dir", type=Path)
-    r.add_argument("--dry-run", action="store_true", help="change nothing in SAVE_DIR")
+    b.add_argument("--dry-run", action="store_true", help="change nothing in --save-dir")
     args = p.parse_args()
     for flag in ("world_size", "batch_size", "global_batch"):
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             fail(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     logging.disable(logging.WARNING)  # fairseq's import-time notices would bury the answer
-    {"batch": batch_plan, "model": model_overrides, "resume": resume_point}[args.command](args)
+    plan(args)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,28 @@ def read_blocks(tokenizer_json, files, n):
     return torch.cat([torch.full((count, 1), BOS), rows, torch.full((count, 1), EOS)], dim=1)
 
 
+def read_documents(tokenizer_json, files, n):
+    """One row a line (a document): <s> its first n - 2 tokens </s>, right-padded to the longest."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    lines = [line for path in files for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not lines:
+        fail(f"{', '.join(map(str, files))}: no documents (non-empty lines)")
+    rows = [[BOS, *e.ids[: n - 2], EOS] for e in tokenizer.encode_batch(lines, add_special_tokens=False)]
+    documents = torch.full((len(rows), max(map(len, rows))), PAD)
+    for i, row in enumerate(rows):
+        documents[i, : len(row)] = torch.tensor(row)
+    return documents
+
+
+def trimmed(x):
+    """Rows without the padding columns that every row has (documents: a batch as long as its longest)."""
+    return x[:, : int(x.ne(PAD).sum(1).max())]
+
+
 def shortened(blocks, fraction, generator):
     """A share of the blocks cut to a random length in [4, n) and right-padded (</s> at the end)."""
     blocks = blocks.clone()
@@ -138,7 +160,7 @@ def fidelity(student, teacher, blocks, sts=None, batch=4):
     sums = {"attention": [[0.0, 0.0] for _ in range(L)], "hidden": [[0.0, 0.0] for _ in range(L)]}
     cosine, tokens = 0.0, 0
     for start in range(0, blocks.size(0), batch):
-        x = blocks[start : start + batch]
+        x = trimmed(blocks[start : start + batch])
         real = x.ne(PAD).t()
         ours, our_attention = run(student, x)
         theirs, their_attention = run(teacher, x)
@@ -236,7 +258,7 @@ def head_analysis(student, teacher, blocks, batch=4, near=2):
     L, H = len(layers(teacher)), layers(teacher)[0].self_attn.num_heads
     sums, local, queries = torch.zeros(L, H, 2), torch.zeros(L, H), 0
     for start in range(0, blocks.size(0), batch):
-        x = blocks[start : start + batch]
+        x = trimmed(blocks[start : start + batch])
         padding, real = x.eq(PAD), x.ne(PAD).t()
         _, inputs = run(student, x)
         T = x.size(1)
@@ -261,6 +283,7 @@ def head_analysis(student, teacher, blocks, batch=4, near=2):
 
 def transfer(student, teacher, blocks, steps, lr, batch, generator):
     """Fit each layer's E/F (nothing else) to the teacher's attention on the student's layer inputs."""
+    blocks = trimmed(blocks)
     for p in student.parameters():
         p.requires_grad_(False)
     shared = getattr(student.encoder.sentence_encoder, "compress_layer", None)
@@ -328,7 +351,7 @@ def distill(student, teacher, blocks, args, state_path, generator):
         for group, peak in zip(optimizer.param_groups, peaks):
             group["lr"] = peak * scale
         pick = torch.randint(0, len(blocks), (args.batch_blocks,), generator=generator)
-        x = shortened(blocks[pick], args.short_fraction, generator)
+        x = trimmed(blocks[pick] if args.documents else shortened(blocks[pick], args.short_fraction, generator))
         real = x.ne(PAD).t()
         with torch.no_grad():
             theirs, _ = run(teacher, x)
@@ -398,6 +421,9 @@ def parse_args(argv=None):
     )
     g.add_argument("--short-fraction", type=float, default=0.25,
                    help="share of training blocks cut to a random shorter length (default: 0.25)")  # fmt: skip
+    parser.add_argument("--documents", action="store_true",
+                        help="each line of the text is one input (cut to N tokens), as a task reads documents, "
+                        "instead of blocks of N tokens of running text (--*-blocks then count documents)")  # fmt: skip
     g.add_argument("--log-interval", type=int, default=10, help="default: 10")
     g.add_argument("--save-interval", type=int, default=50, help="steps between resumable saves (default: 50)")
     parser.add_argument("--seed", type=int, default=1, help="default: 1")
@@ -471,14 +497,21 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
     tokenizer = out / "teacher" / "tokenizer.json"
-    blocks = read_blocks(tokenizer, args.text, n)
+    read = read_documents if args.documents else read_blocks
+    blocks = read(tokenizer, args.text, n)
     if args.valid_text:
-        valid = read_blocks(tokenizer, args.valid_text, n)[: args.valid_blocks]
+        valid = read(tokenizer, args.valid_text, n)[: args.valid_blocks]
     else:
         if len(blocks) <= args.valid_blocks:
-            fail(f"--text has {len(blocks)} blocks of {n}: too few to hold out {args.valid_blocks}; give --valid-text")
+            what = "documents" if args.documents else f"blocks of {n}"
+            fail(f"--text has {len(blocks)} {what}: too few to hold out {args.valid_blocks}; give --valid-text")
         blocks, valid = blocks[: -args.valid_blocks], blocks[-args.valid_blocks :]
-    print(f"text: {len(blocks)} training blocks of {n} tokens, {len(valid)} held out", flush=True)
+    if args.documents:
+        lengths = blocks.ne(PAD).sum(1).float()
+        print(f"text: {len(blocks)} training documents (mean {lengths.mean():.0f} tokens, "
+              f"{int(lengths.eq(n).sum())} cut to {n}), {len(valid)} held out", flush=True)  # fmt: skip
+    else:
+        print(f"text: {len(blocks)} training blocks of {n} tokens, {len(valid)} held out", flush=True)
     print(f"lr of E/F: {args.transfer_lr:g} in the transfer, {args.projection_lr:g} in distillation", flush=True)
     teacher, _, _ = load(teacher_path)
     student, ns, state = load(out / "converted.pt")

@@ -34,6 +34,7 @@ Steps, each skipped when its output exists (a killed study resumes where it stop
 """
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -160,20 +161,25 @@ def long_losses(args, checkpoint, long_n):
     return context_losses(model, task, long_n, sorted({args.n, long_n}), args.eval_blocks)
 
 
-def linearize_folder(args, long_n, k):
-    return args.out / "linearized" / f"n{long_n}-k{k}-s{args.linearize_steps}"
+def linearize_folder(args, long_n, k, on):
+    return args.out / "linearized" / f"n{long_n}-k{k}-s{args.linearize_steps}{'-docs' if on == 'documents' else ''}"
 
 
-def linearized(args, long_n, k):
+def linearized(args, long_n, k, on):
     """A Linformer of the imported encoder at n' positions with projected length k, made by
-    linearize.py on IMDB's unlabeled reviews (--linearize-tokens tokens a step); returns its checkpoint."""
-    out = linearize_folder(args, long_n, k)
+    linearize.py on IMDB's unlabeled reviews (on blocks: --linearize-tokens tokens of running
+    text a step; on documents: --batch whole reviews a step); returns its checkpoint."""
+    out = linearize_folder(args, long_n, k, on)
     if not out.with_suffix(".log").exists():
-        log(f"linearizing at n={long_n}, k={k}, {args.linearize_steps} steps")
+        log(f"linearizing at n={long_n}, k={k}, {args.linearize_steps} steps on {on}")
         out.parent.mkdir(parents=True, exist_ok=True)
-        blocks = max(1, args.linearize_tokens // long_n)
+        step = (
+            ["--documents", "--batch-blocks", args.batch]
+            if on == "documents"
+            else ["--batch-blocks", max(1, args.linearize_tokens // long_n)]
+        )
         sh([sys.executable, SCRIPTS / "linearize.py", args.hf_dir, "--text", args.unlabeled, "--max-positions", long_n,
-            "--k", k, "--out", out, "--no-export", "--distill-steps", args.linearize_steps, "--batch-blocks", blocks,
+            "--k", k, "--out", out, "--no-export", "--distill-steps", args.linearize_steps, *step,
             "--transfer-steps", args.transfer_steps, "--valid-blocks", args.valid_blocks, *args.linearize_flags],
            out.with_suffix(".log"), args.threads)  # fmt: skip
     return out / "checkpoint.pt"
@@ -199,10 +205,11 @@ def runs(args):
         for long_n in longer:  # full attention, no further training
             found[f"original-n{long_n}"] = Run(lambda m=long_n: extended(args, "original", m), long_n, "head_tail")
         for long_n in ([n] if args.control else []) + longer:
-            for k in dict.fromkeys(k_at(spec, long_n) for spec in args.ks):
-                name = f"linformer-n{long_n}-k{k}-s{args.linearize_steps}" + ("-head_tail" if long_n == n else "")
-                found[name] = Run(lambda m=long_n, k=k: linearized(args, m, k), long_n, "head_tail",
-                                  linearize_folder(args, long_n, k) / "report.json")  # fmt: skip
+            for k, on in itertools.product(dict.fromkeys(k_at(spec, long_n) for spec in args.ks), args.linearize_on):
+                name = linearize_folder(args, long_n, k, on).name
+                name = f"linformer-{name}" + ("-head_tail" if long_n == n else "")
+                found[name] = Run(lambda m=long_n, k=k, on=on: linearized(args, m, k, on), long_n, "head_tail",
+                                  linearize_folder(args, long_n, k, on) / "report.json")  # fmt: skip
         return found
     for model in args.models:  # a RoBERTa has no projections: one extension (--control: --hf-dir only)
         for long_n in longer:
@@ -274,8 +281,14 @@ def report(args, specs):
     n = args.n
     what = f"{args.hf_dir} (imported, n={n})" if args.hf_dir else f"pretrained at n={n} ({args.quality})"
     further = (
-        f"linearized with {args.linearize_steps} distillation steps of {args.linearize_tokens} tokens on IMDB's "
-        f"unlabeled reviews"
+        f"linearized with {args.linearize_steps} distillation steps on IMDB's unlabeled reviews ("
+        + ", ".join(
+            f"{args.linearize_tokens} tokens of running text a step"
+            if on == "blocks"
+            else f"{args.batch} whole reviews a step: runs named -docs"
+            for on in args.linearize_on
+        )  # fmt: skip
+        + ")"
         if args.hf_dir
         else f"continued pretraining {args.continue_updates} updates at lr {args.continue_lr}"
     )
@@ -453,6 +466,9 @@ def parse_args():
     g.add_argument("--ks", nargs="+", default=["128", "n/4"], help="k at each n': a number or n/D (default: 128 n/4)")
     g.add_argument("--linearize-steps", type=int, default=300, help="distillation steps (default: 300)")
     g.add_argument("--linearize-tokens", type=int, default=2048, help="tokens a distillation step (default: 2048)")
+    g.add_argument("--linearize-on", nargs="+", choices=["blocks", "documents"], default=["blocks"],
+                   help="distil on blocks of n' tokens of running text, or on whole reviews as finetuning reads "
+                   "them (--batch a step; runs named ...-docs); each is its own run (default: blocks)")  # fmt: skip
     g.add_argument("--transfer-steps", type=int, default=100, help="attention transfer steps a layer (default: 100)")
     g.add_argument("--valid-blocks", type=int, default=8, help="held-out blocks for the fidelity (default: 8)")
     g.add_argument("--linearize-flags", nargs=argparse.REMAINDER, default=[],

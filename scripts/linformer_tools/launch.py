@@ -134,7 +134,7 @@ def hydra_value(value) -> str:
 
 
 def model_overrides(checkpoint: Path):
-    """The overrides that rebuild CHECKPOINT's model, its max_positions."""
+    """(the overrides that rebuild CHECKPOINT's model, the model's max_positions)."""
     import torch
     from fairseq.models import ARCH_MODEL_NAME_REGISTRY, MODEL_DATACLASS_REGISTRY, MODEL_REGISTRY
 

@@ -402,7 +402,7 @@ def parse_args(argv=None):
     parser.add_argument("--out", type=Path, required=True, help="folder of the run (a rerun resumes it)")
     g = parser.add_argument_group("attention transfer (stage 1)")
     g.add_argument("--transfer-steps", type=int, default=100, help="Adam steps per layer (default: 100; 0 skips)")
-    g.add_argument("--transfer-lr", type=float, help="default: 1e-3 x min(1, 4k/N), as --projection-lr")
+    g.add_argument("--transfer-lr", type=float, help="default: 1e-3 x min(1, 512/N), as --projection-lr")
     g.add_argument(
         "--transfer-blocks", type=int, default=32, help="blocks the layer inputs are taken from (default: 32)"
     )
@@ -416,8 +416,8 @@ def parse_args(argv=None):
     g.add_argument(
         "--projection-lr",
         type=float,
-        help="peak lr of E/F (default: 1e-3 x min(1, 4k/N): E/F start as means over windows of N/k "
-        "tokens, entries k/N; 1e-3 suits windows of 4 and wrecked windows of 16, docs/linearize.md)",
+        help="peak lr of E/F (default: 1e-3 x min(1, 512/N): a row of E reaches all N positions; 1e-3 suits "
+        "N <= 512 at every k tried and broke the transfer at N = 2048, k = 128 and 512, docs/linearize.md)",
     )
     g.add_argument("--short-fraction", type=float, default=0.25,
                    help="share of training blocks cut to a random shorter length (default: 0.25)")  # fmt: skip
@@ -449,11 +449,11 @@ def parse_args(argv=None):
     for name in ("valid_blocks", "batch_blocks", "transfer_blocks", "transfer_batch", "log_interval", "save_interval"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    try:
-        narrowest = min(map(int, args.layer_compressed_dims.split(","))) if args.layer_compressed_dims else args.k
-    except ValueError:
+    if args.layer_compressed_dims and not all(d.strip().isdigit() for d in args.layer_compressed_dims.split(",")):
         parser.error(f"--layer-compressed-dims {args.layer_compressed_dims}: expected numbers, comma-separated")
-    scaled = 1e-3 * min(1.0, 4 * narrowest / args.max_positions)
+    # Adam moves every entry of a row of E by about the lr, and the row reaches all N positions: one
+    # step can move a projected key by about lr x N times what the keys have in common
+    scaled = 1e-3 * min(1.0, 512 / args.max_positions)
     args.transfer_lr = scaled if args.transfer_lr is None else args.transfer_lr
     args.projection_lr = scaled if args.projection_lr is None else args.projection_lr
     return args

@@ -346,7 +346,7 @@ def test_linearize_trains_the_projections_then_every_weight(tmp_path):
 def test_linearize_transfers_a_layerwise_projection(tmp_path):
     """With layerwise sharing the one projection (the encoder's compress_layer) is what the
     transfer fits, at the first layer. The defaults it ran with are recorded: E/F's lr scaled by
-    the window (1e-3 x 4k/N for windows of N/k = 8), at least 4 blocks a transfer step."""
+    N (1e-3 x min(1, 512/N): 1e-3 at N = 64), at least 4 blocks a transfer step."""
     original = sharp_tiny_bert(tmp_path / "hf")
     out = tmp_path / "run"
     argv = [original, "--text", TEXT, "--max-positions", N, "--k", 8, "--out", out, "--compress-sharing", "layerwise",
@@ -362,7 +362,7 @@ def test_linearize_transfers_a_layerwise_projection(tmp_path):
     report = json.loads((out / "report.json").read_text())
     stages, used = report["stages"], report["args"]
     assert stages["transfer"]["fidelity"]["attention"][0] < stages["converted"]["fidelity"]["attention"][0]
-    assert (used["transfer_lr"], used["projection_lr"], used["transfer_batch"]) == (5e-4, 5e-4, 4), used
+    assert (used["transfer_lr"], used["projection_lr"], used["transfer_batch"]) == (1e-3, 1e-3, 4), used
 
 
 @pytest.mark.slow(minutes=2)

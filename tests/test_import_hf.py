@@ -342,6 +342,17 @@ def test_linearize_trains_the_projections_then_every_weight(tmp_path):
     assert torch.equal(checkpoints.read_checkpoint(out / "checkpoint.pt")["model"][fc1], final[fc1])
 
 
+@pytest.mark.parametrize("n, k, lr", [(128, 16, 1e-3), (512, 128, 1e-3), (2048, 128, 2.5e-4), (2048, 512, 2.5e-4)])
+def test_linearize_lowers_the_projection_lr_as_n_grows_past_512(tmp_path, n, k, lr):
+    """E/F's default lr, 1e-3 x min(1, 512/N), does not depend on k: at N = 2048, k = 512 (windows
+    of 4) 1e-3 made the transfer diverge (docs/linearize.md); a given lr is kept."""
+    argv = [str(tmp_path), "--text", str(TEXT), "--max-positions", str(n), "--k", str(k), "--out", str(tmp_path / "o")]
+    args = load_script("linearize").parse_args(argv)
+    assert (args.transfer_lr, args.projection_lr) == (lr, lr)
+    args = load_script("linearize").parse_args([*argv, "--transfer-lr", "1e-2"])
+    assert (args.transfer_lr, args.projection_lr) == (1e-2, lr)
+
+
 @pytest.mark.slow
 def test_linearize_transfers_a_layerwise_projection(tmp_path):
     """With layerwise sharing the one projection (the encoder's compress_layer) is what the

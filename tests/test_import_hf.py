@@ -347,9 +347,10 @@ def test_linearize_lowers_the_projection_lr_as_n_grows_past_512(tmp_path, n, k, 
     """E/F's default lr, 1e-3 x min(1, 512/N), does not depend on k: at N = 2048, k = 512 (windows
     of 4) 1e-3 made the transfer diverge (docs/linearize.md); a given lr is kept."""
     argv = [str(tmp_path), "--text", str(TEXT), "--max-positions", str(n), "--k", str(k), "--out", str(tmp_path / "o")]
-    args = load_script("linearize").parse_args(argv)
+    parse_args = load_script("linearize").parse_args
+    args = parse_args(argv)
     assert (args.transfer_lr, args.projection_lr) == (lr, lr)
-    args = load_script("linearize").parse_args([*argv, "--transfer-lr", "1e-2"])
+    args = parse_args([*argv, "--transfer-lr", "1e-2"])
     assert (args.transfer_lr, args.projection_lr) == (1e-2, lr)
 
 

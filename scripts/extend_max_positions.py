@@ -43,7 +43,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from linformer_fairseq.modules import SequenceProjection  # noqa: E402
-from linformer_fairseq.modules.linformer_attention import RESAMPLE  # noqa: E402
+from linformer_fairseq.modules.linformer_attention import EXACT, RESAMPLE  # noqa: E402
 from linformer_tools import checkpoints  # noqa: E402
 from linformer_tools.common import fail  # noqa: E402
 
@@ -70,7 +70,8 @@ def extend_projection(old: SequenceProjection, new: SequenceProjection, method: 
     W = old.weight.detach()
     n, new_n = old.max_positions, new.max_positions
     if old.kind == "linear":
-        if method == "periodic" and old.length_power != RESAMPLE:  # (n'/T)^p (n/n')^p = (n/T)^p: unchanged on T <= n
+        # (n'/T)^p (n/n')^p = (n/T)^p: unchanged on T <= n
+        if method == "periodic" and old.length_power not in (RESAMPLE, EXACT):
             return W[..., torch.arange(new_n) % n] * (n / new_n) ** old.length_power
         return stretch(W, new_n)
     # conv: a kernel as wide as its window n/k; periodic keeps the window, stretch widens it

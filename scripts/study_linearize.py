@@ -75,8 +75,21 @@ RUNS = {
 # the fifth session's default, E/F's lr scaled by the window (1e-3 x min(1, 4k/n)); the runs above
 # were made with 1e-3, today's default at n <= 512
 RUNS["n128-k16-lrscaled"] = (SHORT, ["--k", "16", "--transfer-lr", "5e-4", "--projection-lr", "5e-4"])
+# a sentence of at most k tokens read exactly (each token its own key and value), longer ones resampled
+RUNS["n128-k16-exact"] = (SHORT, ["--k", "16", "--compress-length-norm", "exact"])
+RUNS["n128-k32-exact"] = (SHORT, ["--k", "32", "--compress-length-norm", "exact"])
+# the control of finetuning: mean pooling over windows of one position (k = n; empty windows are
+# masked), untrained: the original's attention exactly, on inputs of any length, in the Linformer's code
+RUNS["n128-full-attention"] = (SHORT, ["--k", "128", "--compress-type", "mean", "--transfer-steps", "0",
+                                       "--distill-steps", "0"])  # fmt: skip
 SPECTRUM_LENGTHS = (128, 256, 512)
 SHORT_RUNS = [name for name, (n, _) in RUNS.items() if n == SHORT]
+# where the finetuned gap comes from: a run finetuned from another of its stages, or with other
+# finetuning flags (name: (run, its checkpoint, fairseq-train flags))
+PROBES = {
+    "n128-k16-noscale-converted": ("n128-k16-noscale", "converted.pt", []),
+    "n128-k16-noscale-frozen": ("n128-k16-noscale", "checkpoint.pt", ["--freeze-compress", 1]),
+}
 TEACHER = "teacher-n128"  # the original at n = 128, finetuned beside the n = 128 Linformers
 
 
@@ -117,11 +130,12 @@ def run(args, name):
         flags = [*(f for f in flags if f != "GRID"), "--distill-steps", args.grid_steps]
     text, valid = args.wikitext / "wiki.train.tokens", args.wikitext / "wiki.valid.tokens"
     command = [sys.executable, SCRIPTS_DIR / "linearize.py", args.hf_dir, "--text", text, "--valid-text", valid,
-               "--max-positions", n, "--out", folder, "--no-export", *flags]  # fmt: skip
+               "--max-positions", n, "--out", folder, "--no-export"]  # fmt: skip
     if n == SHORT:
         command += ["--sts", args.sts, "--distill-steps", args.short_steps, "--batch-blocks", 16]
     else:
         command += ["--heads"]
+    command += flags  # last, so that a run's own flags win
     log(f"{name}: linearize.py {' '.join(map(str, flags))}")
     sh(command, folder.with_suffix(".log"))
 
@@ -148,11 +162,13 @@ def finetune(args, name, bins):
     import linformer_fairseq  # noqa: F401  (allow-lists the checkpoint's types)
     from linformer_tools.checkpoints import fairseq_train_model_flags, model_namespace
 
+    probe_flags = []
     if name == TEACHER:  # every n = 128 run holds the same one
         made = [path for run in SHORT_RUNS if (path := args.out / "runs" / run / f"{TEACHER}.pt").is_file()]
         checkpoint = made[0] if made else args.out / "runs" / SHORT_RUNS[0] / f"{TEACHER}.pt"
     else:
-        checkpoint = args.out / "runs" / name / "checkpoint.pt"
+        run, stage, probe_flags = PROBES.get(name, (name, "checkpoint.pt", []))
+        checkpoint = args.out / "runs" / run / stage
     if not checkpoint.is_file():
         fail(f"{checkpoint}: missing (finetuning needs the run {checkpoint.parent.name} made first)")
     model_flags = fairseq_train_model_flags(model_namespace(torch.load(checkpoint, weights_only=True)))
@@ -165,7 +181,7 @@ def finetune(args, name, bins):
                 data, rows = bins[task]
                 sh([sys.executable, "-m", "fairseq_cli.train", data, *model_flags,
                     *fairseq_train.shared_flags(cpu=True), "--clip-norm", "1.0", "--finetune-from-model", checkpoint,
-                    *finetune_flags(task, rows, args.finetune_epochs, args.finetune_lr, seed)],
+                    *finetune_flags(task, rows, args.finetune_epochs, args.finetune_lr, seed), *probe_flags],
                    out / f"{task}-seed{seed}.log")  # fmt: skip
 
 
@@ -175,7 +191,7 @@ def finetune_table(args):
     import statistics
 
     folder = args.out / "finetune"
-    names = [name for name in (TEACHER, *SHORT_RUNS) if (folder / name).is_dir()]
+    names = [name for name in (TEACHER, *SHORT_RUNS, *PROBES) if (folder / name).is_dir()]
     scores = {name: {task: dev_scores(folder / name, task) for task in GLUE_TASKS} for name in names}
     lines = []
     for name in names:
@@ -347,7 +363,12 @@ def main(argv=None):
     p.add_argument("--grid-steps", type=int, default=100, help="distillation steps of the n=512 grid (default: 100)")
     g = p.add_argument_group("finetuning the n=128 Linformers and their teacher on SST-2 and CoLA (with --glue)")
     g.add_argument("--glue", type=Path, help="glue_data folder with SST-2 and CoLA (train.tsv, dev.tsv)")
-    g.add_argument("--finetune", nargs="+", choices=SHORT_RUNS, help="n=128 runs to finetune (default: all)")
+    g.add_argument(
+        "--finetune",
+        nargs="+",
+        choices=[*SHORT_RUNS, *PROBES],
+        help="n=128 runs (or probes) to finetune (default: every run)",
+    )
     g.add_argument("--tasks", nargs="+", choices=GLUE_TASKS, default=list(GLUE_TASKS), help="default: SST-2 CoLA")
     g.add_argument("--train-rows", type=int, default=4000, help="each task's training subset, drawn with seed 0")
     g.add_argument("--finetune-epochs", type=int, default=3, help="default: 3")

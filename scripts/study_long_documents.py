@@ -161,17 +161,17 @@ def long_losses(args, checkpoint, long_n):
     return context_losses(model, task, long_n, sorted({args.n, long_n}), args.eval_blocks)
 
 
-def linearize_folder(args, long_n, k, on):
-    return args.out / "linearized" / f"n{long_n}-k{k}-s{args.linearize_steps}{'-docs' if on == 'documents' else ''}"
+def linearize_folder(args, long_n, k, on, steps):
+    return args.out / "linearized" / f"n{long_n}-k{k}-s{steps}{'-docs' if on == 'documents' else ''}"
 
 
-def linearized(args, long_n, k, on):
+def linearized(args, long_n, k, on, steps):
     """A Linformer of the imported encoder at n' positions with projected length k, made by
     linearize.py on IMDB's unlabeled reviews (on blocks: --linearize-tokens tokens of running
     text a step; on documents: --batch whole reviews a step); returns its checkpoint."""
-    out = linearize_folder(args, long_n, k, on)
+    out = linearize_folder(args, long_n, k, on, steps)
     if not out.with_suffix(".log").exists():
-        log(f"linearizing at n={long_n}, k={k}, {args.linearize_steps} steps on {on}")
+        log(f"linearizing at n={long_n}, k={k}, {steps} steps on {on}")
         out.parent.mkdir(parents=True, exist_ok=True)
         step = (
             ["--documents", "--batch-blocks", args.batch]
@@ -179,10 +179,31 @@ def linearized(args, long_n, k, on):
             else ["--batch-blocks", max(1, args.linearize_tokens // long_n)]
         )
         sh([sys.executable, SCRIPTS / "linearize.py", args.hf_dir, "--text", args.unlabeled, "--max-positions", long_n,
-            "--k", k, "--out", out, "--no-export", "--distill-steps", args.linearize_steps, *step,
+            "--k", k, "--out", out, "--no-export", "--distill-steps", steps, *step,
             "--transfer-steps", args.transfer_steps, "--valid-blocks", args.valid_blocks, *args.linearize_flags],
            out.with_suffix(".log"), args.threads)  # fmt: skip
     return out / "checkpoint.pt"
+
+
+def read_exact(checkpoint):
+    """CHECKPOINT's Linformer with its projections switched to ``exact`` length handling (a
+    review of at most k tokens is read with each token its own key and value; longer ones as
+    before), written to exact/checkpoint.pt beside it: the same weights, no further training."""
+    out = checkpoint.parent / "exact" / "checkpoint.pt"
+    if not out.is_file():
+        import linformer_fairseq  # noqa: F401  (allow-lists the checkpoint's types)
+        from linformer_fairseq.modules.linformer_attention import EXACT
+
+        state = checkpoints.read_checkpoint(checkpoint)
+        weights = {key: EXACT * value.new_ones(()) if key.endswith("length_norm_power") else value
+                   for key, value in state["model"].items()}  # fmt: skip
+        ns = checkpoints.model_namespace(state)
+        ns.compress_length_norm = "exact"
+        model = checkpoints.build_model(ns, checkpoints.vocab_size(state))
+        checkpoints.load_weights(model, weights)
+        note = {"stage": "compress_length_norm exact", "from": str(checkpoint)}
+        checkpoints.write_checkpoint(state, ns, model, out, note)
+    return out
 
 
 def k_at(spec, long_n):
@@ -205,11 +226,14 @@ def runs(args):
         for long_n in longer:  # full attention, no further training
             found[f"original-n{long_n}"] = Run(lambda m=long_n: extended(args, "original", m), long_n, "head_tail")
         for long_n in ([n] if args.control else []) + longer:
-            for k, on in itertools.product(dict.fromkeys(k_at(spec, long_n) for spec in args.ks), args.linearize_on):
-                name = linearize_folder(args, long_n, k, on).name
-                name = f"linformer-{name}" + ("-head_tail" if long_n == n else "")
-                found[name] = Run(lambda m=long_n, k=k, on=on: linearized(args, m, k, on), long_n, "head_tail",
-                                  linearize_folder(args, long_n, k, on) / "report.json")  # fmt: skip
+            ks = dict.fromkeys(k_at(spec, long_n) for spec in args.ks)
+            for how in itertools.product([long_n], ks, args.linearize_on, args.linearize_steps):
+                folder = linearize_folder(args, *how)
+                name = f"linformer-{folder.name}" + ("-head_tail" if long_n == n else "")
+                made = lambda how=how: linearized(args, *how)  # noqa: E731
+                found[name] = Run(made, long_n, "head_tail", folder / "report.json")
+                if args.read_exact and long_n != n:
+                    found[f"{name}-exact"] = Run(lambda made=made: read_exact(made()), long_n, "head_tail")
         return found
     for model in args.models:  # a RoBERTa has no projections: one extension (--control: --hf-dir only)
         for long_n in longer:
@@ -281,7 +305,8 @@ def report(args, specs):
     n = args.n
     what = f"{args.hf_dir} (imported, n={n})" if args.hf_dir else f"pretrained at n={n} ({args.quality})"
     further = (
-        f"linearized with {args.linearize_steps} distillation steps on IMDB's unlabeled reviews ("
+        f"linearized with {' or '.join(map(str, args.linearize_steps))} distillation steps on IMDB's unlabeled "
+        "reviews ("
         + ", ".join(
             f"{args.linearize_tokens} tokens of running text a step"
             if on == "blocks"
@@ -464,13 +489,23 @@ def parse_args():
     a("--seeds", type=int, default=3, help="finetuning seeds (default: 3)")
     g = p.add_argument_group("--hf-dir: linearization (scripts/linearize.py)")
     g.add_argument("--ks", nargs="+", default=["128", "n/4"], help="k at each n': a number or n/D (default: 128 n/4)")
-    g.add_argument("--linearize-steps", type=int, default=300, help="distillation steps (default: 300)")
+    g.add_argument(
+        "--linearize-steps",
+        nargs="+",
+        type=int,
+        default=[300],
+        help="distillation steps, each its own run (-sSTEPS; 0: the converted model; default: 300)",
+    )
     g.add_argument("--linearize-tokens", type=int, default=2048, help="tokens a distillation step (default: 2048)")
     g.add_argument("--linearize-on", nargs="+", choices=["blocks", "documents"], default=["blocks"],
                    help="distil on blocks of n' tokens of running text, or on whole reviews as finetuning reads "
                    "them (--batch a step; runs named ...-docs); each is its own run (default: blocks)")  # fmt: skip
     g.add_argument("--transfer-steps", type=int, default=100, help="attention transfer steps a layer (default: 100)")
     g.add_argument("--valid-blocks", type=int, default=8, help="held-out blocks for the fidelity (default: 8)")
+    g.add_argument("--read-exact", action="store_true",
+                   help="also each Linformer at n' switched to compress_length_norm exact before finetuning: "
+                   "a review of at most k tokens read with each token its own key and value, not E stretched "
+                   "over it (runs named ...-exact)")  # fmt: skip
     g.add_argument("--linearize-flags", nargs=argparse.REMAINDER, default=[],
                    help="the rest of the command line goes to linearize.py")  # fmt: skip
     g = p.add_argument_group("--quality")
@@ -495,9 +530,11 @@ def parse_args():
     args = p.parse_args()
     positive = ["train_size", "test_size", "valid_size", "epochs", "batch", "step_tokens", "seeds", "jobs"]
     positive += ["continue_updates"]
-    for name in positive + ["linearize_steps", "linearize_tokens", "valid_blocks"]:
+    for name in positive + ["linearize_tokens", "valid_blocks"]:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if min(args.linearize_steps) < 0:
+        p.error("--linearize-steps must be >= 0")
     if args.timing_seconds <= 0:
         p.error("--timing-seconds must be > 0")
     if any(f < 2 for f in args.factors):

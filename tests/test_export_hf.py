@@ -144,7 +144,7 @@ GRID = [
     (sharing, kind, norm)
     for sharing in COMPRESS_SHARING
     for kind in COMPRESS_TYPES
-    for norm in (("none", "sqrt", "linear", "resample") if kind == "linear" else ("linear",))
+    for norm in (("none", "sqrt", "linear", "resample", "exact") if kind == "linear" else ("linear",))
 ]
 
 

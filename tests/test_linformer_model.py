@@ -489,7 +489,7 @@ def test_architectures_from_fairseq_train_flags(arch, layers, dim, tmp_path):
     assert (model_cfg.max_positions, model_cfg.compressed_dim, model_cfg.compress_sharing) == (512, 64, "layerwise")
 
 
-@pytest.mark.parametrize("length_norm,groups", list(itertools.product(LENGTH_NORM_POWERS, (1, 3))))
+@pytest.mark.parametrize("length_norm,groups", list(itertools.product(("none", "sqrt", "linear", "resample"), (1, 3))))
 def test_length_norm_scales_each_sentence_by_its_own_length(length_norm, groups):
     """With E constant, a constant input projects at T real tokens to T/n of its rows at
     T = n; the (n/T)^p factor, T read per sentence from the padding mask, must leave exactly
@@ -537,6 +537,35 @@ def test_resample_projects_a_sentence_as_its_tokens_stretched_over_the_block(gro
         torch.testing.assert_close(out[:, b], expected, atol=1e-5, rtol=0)
     out.sum().backward()
     assert proj.weight.grad is not None and proj.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("sharing", ("headwise", "none", "kv"))
+def test_exact_reads_sentences_of_at_most_k_tokens_with_softmax_attention(sharing):
+    """``exact``: in one padded batch, sentences of L <= k tokens get fairseq's softmax attention
+    over their own tokens, longer ones what ``resample`` gives them; alone or padded alike."""
+    n, k, C, H = 32, 8, 16, 4
+    torch.manual_seed(0)
+    ref = MultiheadAttention(C, H, self_attention=True).eval()
+    exact = attention(C, H, n, k, sharing=sharing, length_norm="exact", init="xavier")
+    resample = attention(C, H, n, k, sharing=sharing, length_norm="resample")
+    state = exact.state_dict()  # the same weights, read under resample (loading takes the buffer's setting)
+    resample.load_state_dict({key: torch.tensor(-1.0) if key.endswith("length_norm_power") else value
+                              for key, value in state.items()})  # fmt: skip
+    for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        getattr(ref, name).load_state_dict(getattr(exact, name).state_dict())
+    lengths = [3, 8, 9, 20]
+    pad_mask = torch.arange(n).unsqueeze(0) >= torch.tensor(lengths).unsqueeze(1)
+    x = torch.randn(n, len(lengths), C).masked_fill(pad_mask.t().unsqueeze(-1), 0.0)
+    with torch.no_grad():
+        batched, _ = exact(x, key_padding_mask=pad_mask)
+        for b, L in enumerate(lengths):
+            alone = x[:L, b : b + 1]
+            if L <= k:
+                expected, _ = ref(alone, alone, alone, need_weights=False)
+            else:
+                expected, _ = resample(alone)
+            torch.testing.assert_close(batched[:L, b : b + 1], expected, atol=1e-5, rtol=0, msg=f"L={L}")
+            torch.testing.assert_close(exact(alone)[0], expected, atol=1e-5, rtol=0, msg=f"L={L} alone")
 
 
 def test_mean_init_is_mean_pooling_and_normal_init_matches_the_original():

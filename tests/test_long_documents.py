@@ -4,6 +4,7 @@ to predictions on whole reviews at n' = 4n: extend_max_positions.py -> pretrain.
 task itself: tests/test_truncation.py). Data: the bundled sample (data/sample/imdb: 48 real
 reviews in the aclImdb layout) through data-prep, as a user's would go."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -209,3 +210,16 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
     assert "| linformer-n128-k32-s6 |" in (out / "report.md").read_text()
     again = run(cmd).stdout
     assert "finetuning, seed" not in again and "linearizing" not in again, again[-2000:]
+    # --read-exact: each Linformer at n' also switched to exact length handling, the same weights
+    listed = subprocess.run([*map(str, cmd[: cmd.index("--runs")]), "--read-exact", "--runs", "none"],
+                            capture_output=True, text=True).stderr  # fmt: skip
+    assert "its runs are" in listed and " linformer-n128-k32-s6-exact" in listed, listed[-2000:]
+    study = importlib.util.spec_from_file_location("study_long_documents", SCRIPTS / "study_long_documents.py")
+    module = importlib.util.module_from_spec(study)
+    study.loader.exec_module(module)
+    exact = checkpoints.read_checkpoint(module.read_exact(linearized / "checkpoint.pt"))
+    distilled = checkpoints.read_checkpoint(linearized / "checkpoint.pt")
+    assert checkpoints.model_namespace(exact).compress_length_norm == "exact"
+    for key, value in distilled["model"].items():
+        want = torch.tensor(-2.0) if key.endswith("length_norm_power") else value
+        torch.testing.assert_close(exact["model"][key], want, rtol=0, atol=0, msg=key)

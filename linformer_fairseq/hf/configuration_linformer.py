@@ -38,7 +38,7 @@ class LinformerConfig(PretrainedConfig):
             `--layer-compressed-dims`).
         compress_sharing (`str`): none, headwise, kv or layerwise (`--compress-sharing`).
         compress_type (`str`): linear, mean, max or conv (`--compress-type`).
-        compress_length_norm (`str`): none, sqrt, linear or resample: what the checkpoint's linear
+        compress_length_norm (`str`): none, sqrt, linear, resample or exact: what the checkpoint's linear
             projections do with inputs shorter than n (`--compress-length-norm`).
         compress_init (`str`): normal, xavier or mean: the init of new linear projections (`--compress-init`).
         freeze_compress (`bool`): the projections are not trained (`--freeze-compress 1`).

@@ -9,6 +9,7 @@ from ..modules.linformer_attention import (  # noqa: F401
     COMPRESS_INITS,
     COMPRESS_SHARING,
     COMPRESS_TYPES,
+    EXACT,
     LENGTH_NORM_POWERS,
     RESAMPLE,
     LinformerMultiheadAttention,

@@ -110,7 +110,9 @@ class LinformerRobertaConfig(FairseqDataclass):
             "help": "linear projections: multiply each sentence's projected rows by (n/T)^p, T its own "
             "length: none (p=0, the original example), sqrt (p=0.5), linear (p=1; keeps short inputs "
             "at the scale of full blocks); resample: stretch E's n columns over the T tokens instead (each row "
-            "keeps its full-block sum and mix). Saved in checkpoints: loading one restores what it was trained with"
+            "keeps its full-block sum and mix); exact: resample, but a sentence of at most k tokens is read with each "
+            "token its own key and value (softmax attention, exactly). Saved in checkpoints: loading one restores "
+            "what it was trained with"
         },
     )
     compress_init: ChoiceEnum(COMPRESS_INITS) = field(

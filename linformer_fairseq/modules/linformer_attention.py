@@ -17,9 +17,10 @@ from torch import Tensor, nn
 COMPRESS_SHARING = ("none", "headwise", "kv", "layerwise")
 COMPRESS_TYPES = ("linear", "mean", "max", "conv")
 # p in the factor (n / T)^p applied to a linear projection of a T-token sentence; "resample"
-# (coded -1) stretches E's n columns over the sentence's T tokens instead of slicing and scaling
-LENGTH_NORM_POWERS = {"none": 0.0, "sqrt": 0.5, "linear": 1.0, "resample": -1.0}
-RESAMPLE = LENGTH_NORM_POWERS["resample"]
+# (coded -1) stretches E's n columns over the sentence's T tokens instead of slicing and scaling;
+# "exact" (coded -2) reads a sentence of at most k tokens as its own rows, longer ones as resample
+LENGTH_NORM_POWERS = {"none": 0.0, "sqrt": 0.5, "linear": 1.0, "resample": -1.0, "exact": -2.0}
+RESAMPLE, EXACT = LENGTH_NORM_POWERS["resample"], LENGTH_NORM_POWERS["exact"]
 COMPRESS_INITS = ("normal", "xavier", "mean")
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,11 @@ class SequenceProjection(nn.Module):
       example), 0.5 (``sqrt``) or 1 (``linear``); the factor is 1 at T = n. ``resample``
       instead reads the T tokens as if they filled the n positions: token t covers
       [t n/T, (t+1) n/T), so its column is the sum of E's columns over that span (fractional at
-      the edges). Every row keeps its full-block sum and its mix along the block.
+      the edges). Every row keeps its full-block sum and its mix along the block. ``exact``
+      reads a sentence of at most k real tokens as its own rows (each token one key and value:
+      softmax attention over its tokens, exactly, at a cost T x T <= T x k) and longer ones as
+      ``resample``. Under ``resample`` a short sentence's tokens get whole rows, but unequally
+      many (at T = 300, k = 512: one or two), which weighs some tokens double in attention.
     - ``mean`` / ``max``: pooling over windows of s positions; ``conv``: a learned kernel of
       width s applied with stride s (a block-structured E, initialised to mean pooling). An
       input of T positions gives ``ceil(T / s)`` rows, each normalised by its own window, so
@@ -201,13 +206,32 @@ class SequenceProjection(nn.Module):
                 f"Linformer projection (its E/F matrices are k x max_positions)"
             )
         weight = self.weight if weight is None else weight
+        if self.kind == "linear" and self.length_power == EXACT:
+            return self._exact_below_k(x, pad_mask, weight)
         if self.kind == "linear":
             return self._linear(x, pad_mask, weight), None
         return self._pooled(x, pad_mask, weight)
 
+    def _exact_below_k(self, x: Tensor, pad_mask: Tensor | None, weight: Tensor):
+        """``exact``: a sentence of L <= k real tokens keeps its tokens as rows (the first L of
+        k, the rest masked: pads are at the end, as ``_resampled`` also assumes); longer ones
+        are resampled to k rows."""
+        T, B, _ = x.shape
+        real = None if pad_mask is None else ~pad_mask
+        if T <= self.k:
+            return x, real
+        projected = self._linear(x, pad_mask, weight)
+        if real is None:  # every sentence is T > k tokens long
+            return projected, None
+        short = real.sum(1) <= self.k
+        if not short.any():
+            return projected, None
+        rows = torch.where(short.view(1, B, 1), x[: self.k], projected)
+        return rows, torch.where(short.unsqueeze(1), real[:, : self.k], True)
+
     def _linear(self, x: Tensor, pad_mask: Tensor | None, weight: Tensor) -> Tensor:
         T, B, C = x.shape
-        if self.length_power == RESAMPLE and (pad_mask is not None or T < self.max_positions):
+        if self.length_power in (RESAMPLE, EXACT) and (pad_mask is not None or T < self.max_positions):
             return self._resampled(x, pad_mask, weight)
         E = weight[..., :T]
         rows = E.size(-2)

@@ -346,6 +346,10 @@ def report(args):
         lines += [f"Finetuned at n=128 ({budgets}; dev metric after the last epoch; mean ± sd over seeds):", ""]
         lines += [markdown_table(finetuned), ""]
     write_text(args.out / "report.md", "\n".join(lines))
+    # each head's whole curve stays in OUT/spectrum/nN/spectrum.json (1.3 MB); the summary keeps the means
+    for result in spectra.values():
+        for layer in result["layers"]:
+            layer.pop("head_curves", None)
     everything = {"runs": rows, "spectra": spectra, "finetune": finetune_scores}
     write_text(args.out / "results.json", json.dumps(everything, indent=1, default=str) + "\n")
     print("\n".join(lines))

@@ -223,9 +223,7 @@ class SequenceProjection(nn.Module):
         projected = self._linear(x, pad_mask, weight)
         if real is None:  # every sentence is T > k tokens long
             return projected, None
-        short = real.sum(1) <= self.k
-        if not short.any():
-            return projected, None
+        short = real.sum(1) <= self.k  # no `if short.any()`: on a GPU it would wait for the device
         rows = torch.where(short.view(1, B, 1), x[: self.k], projected)
         return rows, torch.where(short.unsqueeze(1), real[:, : self.k], True)
 

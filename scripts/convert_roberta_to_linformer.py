@@ -210,10 +210,11 @@ def parse_args(argv=None):
     parser.add_argument(
         "--compress-type", choices=COMPRESS_TYPES, default="linear", help="projection kind (default: linear)"
     )
-    parser.add_argument("--compress-length-norm", choices=tuple(LENGTH_NORM_POWERS), default="resample",
-                        help="linear projections on inputs shorter than n: stretch E over the T tokens (resample, the "
-                             "default: docs/linearize.md ranks it first on a real encoder) or scale its first T "
-                             "columns by (n/T)^p")  # fmt: skip
+    parser.add_argument("--compress-length-norm", choices=tuple(LENGTH_NORM_POWERS), default="exact",
+                        help="linear projections on inputs shorter than n: an input of at most k tokens read with "
+                             "softmax attention, longer ones with E stretched over their T tokens (exact, the "
+                             "default: docs/linearize.md finds it best finetuned on a real encoder); E stretched "
+                             "always (resample); or E's first T columns scaled by (n/T)^p")  # fmt: skip
     parser.add_argument("--init", choices=INITS, default=None, help="how linear projections start (default: avg)")
     parser.add_argument(
         "--key-scale",

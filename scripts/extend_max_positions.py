@@ -24,6 +24,12 @@ Projections (Linformer only), by ``--projections``:
             wider); pooling windows widen to n'/k; a conv kernel is resampled to the new width
             the same way. Outputs on short inputs change.
 
+``--compress-length-norm MODE`` also switches a Linformer's linear projections to another
+length handling (what an input shorter than n' does with E) before any extension; without
+``--max-positions`` that is all it does: ``exact`` on a model distilled under ``resample``
+reads every input of at most k tokens with softmax attention over its tokens, the weights
+unchanged.
+
 With ``--data`` the script reports the masked-LM loss of the original at n and of the extended
 model at n' (blocks of n' tokens), and with ``--continue-updates N`` after N updates of
 continued pretraining at n' (fairseq-train --restore-file OUT, which it runs). See
@@ -43,7 +49,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from linformer_fairseq.modules import SequenceProjection  # noqa: E402
-from linformer_fairseq.modules.linformer_attention import EXACT, RESAMPLE  # noqa: E402
+from linformer_fairseq.modules.linformer_attention import EXACT, LENGTH_NORM_POWERS, RESAMPLE  # noqa: E402
 from linformer_tools import checkpoints  # noqa: E402
 from linformer_tools.common import fail  # noqa: E402
 
@@ -115,11 +121,27 @@ def extended_namespace(ns, kind: str, new_n: int, dims):
     return ns
 
 
+def switch_length_norm(model, ns, mode: str):
+    """Set every linear projection of ``model`` to length handling ``mode`` (in its buffer,
+    which the checkpoint keeps) and ``ns`` to match."""
+    linear = [m for m in model.modules() if isinstance(m, SequenceProjection) and m.kind == "linear"]
+    if not linear:
+        fail(f"--compress-length-norm {mode}: the checkpoint has no linear projections (only E has a length handling)")
+    for projection in linear:
+        projection.length_power = LENGTH_NORM_POWERS[mode]
+        projection.length_norm_power.fill_(projection.length_power)
+    ns.compress_length_norm = mode
+
+
 def extend(state, kind: str, args):
-    """(extended model, its namespace, original model, n)."""
-    ns = checkpoints.model_namespace(state)
+    """(new model, its namespace, original model, n): the original with --compress-length-norm's
+    length handling, extended to --max-positions when that is not n."""
+    ns = copy.deepcopy(checkpoints.model_namespace(state))
     n = ns.max_positions
-    if args.max_positions == n or (args.max_positions < n and kind != "roberta"):
+    args.max_positions = args.max_positions or n
+    if args.compress_length_norm and kind != "linformer":
+        fail(f"--compress-length-norm applies to Linformer checkpoints, not a {kind}")
+    if args.max_positions == n and not args.compress_length_norm or args.max_positions < n and kind != "roberta":
         longer = "larger than" if kind != "roberta" else "other than"
         fail(f"--max-positions {args.max_positions} must be {longer} the checkpoint's n={n}")
     if kind == "roberta" and args.compressed_dim:
@@ -129,19 +151,25 @@ def extend(state, kind: str, args):
     missing = checkpoints.load_weights(old, state["model"])
     if missing:
         fail(f"the checkpoint lacks weights of its own model: {', '.join(missing[:5])}")
+    source = old
+    if args.compress_length_norm:  # before extending: E is extended as the new handling reads it
+        source = copy.deepcopy(old)
+        switch_length_norm(source, ns, args.compress_length_norm)
+    if args.max_positions == n:
+        return source, ns, old, n
     dims = None
     if kind == "linformer":
-        dims = new_compressed_dims(old, n, args.max_positions, args.projections, args.compressed_dim)
+        dims = new_compressed_dims(source, n, args.max_positions, args.projections, args.compressed_dim)
     new_ns = extended_namespace(ns, kind, args.max_positions, dims)
     new = checkpoints.build_model(new_ns, vocab)
 
-    weights = old.state_dict()
-    positions = old.encoder.sentence_encoder.embed_positions
+    weights = source.state_dict()
+    positions = source.encoder.sentence_encoder.embed_positions
     weights[checkpoints.POSITIONS_KEY] = periodic_positions(
         positions.weight.detach(), positions.padding_idx + 1, args.max_positions
     )
     new_modules = dict(new.named_modules(remove_duplicate=False))
-    for name, module in old.named_modules(remove_duplicate=False):  # a layerwise E under each of its names
+    for name, module in source.named_modules(remove_duplicate=False):  # a layerwise E under each of its names
         if isinstance(module, SequenceProjection) and module.weight is not None:
             weights[f"{name}.weight"] = extend_projection(module, new_modules[name], args.projections)
     missing = checkpoints.load_weights(new, weights)  # registers the classification heads too
@@ -155,7 +183,14 @@ def parse_args(argv=None):
     parser.add_argument("checkpoint", help="fairseq Linformer or RoBERTa checkpoint at n positions (.pt)")
     parser.add_argument("output", help="checkpoint to write, at n' positions (.pt)")
     parser.add_argument(
-        "--max-positions", type=int, required=True, help="n', larger than the checkpoint's n (a RoBERTa: or smaller)"
+        "--max-positions",
+        type=int,
+        help="n', larger than the checkpoint's n (a RoBERTa: or smaller); default: n (with --compress-length-norm)",
+    )
+    parser.add_argument(
+        "--compress-length-norm",
+        choices=tuple(LENGTH_NORM_POWERS),
+        help="switch the Linformer's linear projections to this length handling (linformer_roberta.py --help)",
     )
     parser.add_argument(
         "--projections",
@@ -173,7 +208,9 @@ def parse_args(argv=None):
     parser.add_argument("--report-json", help="also write the losses and the continuation command to this JSON file")
     checkpoints.add_continuation_args(parser)
     args = parser.parse_args(argv)
-    if args.max_positions < 1 or args.compressed_dim < 0:
+    if args.max_positions is None and not args.compress_length_norm:
+        parser.error("nothing to do: give --max-positions, --compress-length-norm or both")
+    if args.max_positions is not None and args.max_positions < 1 or args.compressed_dim < 0:
         parser.error("--max-positions must be >= 1 and --compressed-dim >= 0")
     checkpoints.check_continuation_args(parser, args)
     if Path(args.output).resolve() == Path(args.checkpoint).resolve():
@@ -191,10 +228,19 @@ def main(argv=None):
     linformer = kind == "linformer"
     args.sample_break_mode = args.sample_break_mode or checkpoints.break_mode(state)
     note = {"from": str(args.checkpoint), "extended_from": n, "projections": args.projections if linformer else None}
+    note["compress_length_norm"] = args.compress_length_norm
     checkpoints.write_checkpoint(state, ns, model, args.output, note, max_positions=(n, args.max_positions))
-    how = f", k={ns.layer_compressed_dims or ns.compressed_dim}; projections {args.projections}" if linformer else ""
-    positions = "positions copied periodically" if args.max_positions > n else "its first positions kept"
-    print(f"wrote {args.output}: {kind} at n'={args.max_positions} (from n={n}{how}); {positions}")
+    switched = f"; compress length norm {args.compress_length_norm}" if args.compress_length_norm else ""
+    if args.max_positions == n:
+        names = {v: k for k, v in LENGTH_NORM_POWERS.items()}
+        was = {names[m.length_power] for m in old.modules() if isinstance(m, SequenceProjection) and m.kind == "linear"}
+        print(f"wrote {args.output}: {kind} at n={n}{switched} (was {', '.join(sorted(was))}), the same weights")
+    else:
+        how = (
+            f", k={ns.layer_compressed_dims or ns.compressed_dim}; projections {args.projections}" if linformer else ""
+        )
+        positions = "positions copied periodically" if args.max_positions > n else "its first positions kept"
+        print(f"wrote {args.output}: {kind} at n'={args.max_positions} (from n={n}{how}); {positions}{switched}")
 
     rows = {}
     if args.data:
@@ -204,7 +250,8 @@ def main(argv=None):
         )
         # the same text in blocks n'/n times longer: fewer blocks a batch, the same tokens
         batch = max(1, math.ceil(args.eval_batch_size * n / args.max_positions))
-        rows[f"extended at n'={args.max_positions}"] = checkpoints.masked_lm_loss(
+        new = f"compress length norm {args.compress_length_norm} at n={n}" if args.max_positions == n else None
+        rows[new or f"extended at n'={args.max_positions}"] = checkpoints.masked_lm_loss(
             model, args.data, args.split, args.max_positions, batch, *rest
         )
     checkpoints.report_and_continue(args, ns, Path(args.output), rows)

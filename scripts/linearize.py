@@ -398,8 +398,9 @@ def parse_args(argv=None):
     parser.add_argument("--key-scale", default="1",
                         help="the converter's factor on the keys' E: a number (default 1: window means, the best "
                              "in docs/linearize.md), or window (n/k: window sums)")  # fmt: skip
-    parser.add_argument("--compress-length-norm", choices=tuple(LENGTH_NORM_POWERS), default="resample",
-                        help="linear projections on inputs shorter than N (default: resample)")  # fmt: skip
+    parser.add_argument("--compress-length-norm", choices=tuple(LENGTH_NORM_POWERS), default="exact",
+                        help="linear projections on inputs shorter than N (default: exact, the best finetuned in "
+                             "docs/linearize.md: at most K tokens are read with softmax attention)")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="folder of the run (a rerun resumes it)")
     g = parser.add_argument_group("attention transfer (stage 1)")
     g.add_argument("--transfer-steps", type=int, default=100, help="Adam steps per layer (default: 100; 0 skips)")

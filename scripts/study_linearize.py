@@ -129,8 +129,9 @@ def run(args, name):
     if "GRID" in flags:
         flags = [*(f for f in flags if f != "GRID"), "--distill-steps", args.grid_steps]
     text, valid = args.wikitext / "wiki.train.tokens", args.wikitext / "wiki.valid.tokens"
+    # resample: the runs were made when it was linearize.py's default
     command = [sys.executable, SCRIPTS_DIR / "linearize.py", args.hf_dir, "--text", text, "--valid-text", valid,
-               "--max-positions", n, "--out", folder, "--no-export"]  # fmt: skip
+               "--max-positions", n, "--out", folder, "--no-export", "--compress-length-norm", "resample"]  # fmt: skip
     if n == SHORT:
         command += ["--sts", args.sts, "--distill-steps", args.short_steps, "--batch-blocks", 16]
     else:

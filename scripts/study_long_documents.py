@@ -180,7 +180,8 @@ def linearized(args, long_n, k, on, steps):
         )
         sh([sys.executable, SCRIPTS / "linearize.py", args.hf_dir, "--text", args.unlabeled, "--max-positions", long_n,
             "--k", k, "--out", out, "--no-export", "--distill-steps", steps, *step,
-            "--transfer-steps", args.transfer_steps, "--valid-blocks", args.valid_blocks, *args.linearize_flags],
+            "--transfer-steps", args.transfer_steps, "--valid-blocks", args.valid_blocks,
+            "--compress-length-norm", "resample", *args.linearize_flags],  # the runs' default when they were made
            out.with_suffix(".log"), args.threads)  # fmt: skip
     return out / "checkpoint.pt"
 
@@ -191,18 +192,9 @@ def read_exact(checkpoint):
     before), written to exact/checkpoint.pt beside it: the same weights, no further training."""
     out = checkpoint.parent / "exact" / "checkpoint.pt"
     if not out.is_file():
-        import linformer_fairseq  # noqa: F401  (allow-lists the checkpoint's types)
-        from linformer_fairseq.modules.linformer_attention import EXACT
-
-        state = checkpoints.read_checkpoint(checkpoint)
-        weights = {key: EXACT * value.new_ones(()) if key.endswith("length_norm_power") else value
-                   for key, value in state["model"].items()}  # fmt: skip
-        ns = checkpoints.model_namespace(state)
-        ns.compress_length_norm = "exact"
-        model = checkpoints.build_model(ns, checkpoints.vocab_size(state))
-        checkpoints.load_weights(model, weights)
-        note = {"stage": "compress_length_norm exact", "from": str(checkpoint)}
-        checkpoints.write_checkpoint(state, ns, model, out, note)
+        out.parent.mkdir(exist_ok=True)
+        sh([sys.executable, SCRIPTS / "extend_max_positions.py", checkpoint, out, "--compress-length-norm", "exact"],
+           out.parent / "switch.log")  # fmt: skip
     return out
 
 
@@ -357,7 +349,14 @@ def report(args, specs):
         }
         r = results[name]
         cells = [name, str(run.reads), run.truncation, mean_sd(r["all"]), mean_sd(r["short"]), mean_sd(r["long"])]
-        cells += [f"{cost['seconds_per_update']:.3f}", f"{cost['peak_mb']:.0f}", f"{cost['documents_per_second']:.1f}"]
+        if cost:
+            cells += [
+                f"{cost['seconds_per_update']:.3f}",
+                f"{cost['peak_mb']:.0f}",
+                f"{cost['documents_per_second']:.1f}",
+            ]
+        else:
+            cells += ["not timed"] * 3
         lines.append("| " + " | ".join(cells) + " |")
     lines += further_training(args, specs, results)
     lines += ["", "Accuracy (mean of seeds) by review length, in tokens with <s> and </s>:", ""]
@@ -442,8 +441,11 @@ def predictions(args, name, seed=1):
 
 
 def cost_of(args, name, run):
-    """Finetuning and prediction cost at the length the run reads, measured once per run."""
+    """Finetuning and prediction cost at the length the run reads, measured once per run ({} under
+    --no-timing when not measured yet)."""
     path = args.out / "timing" / f"{name}.json"
+    if not path.exists() and args.no_timing:
+        return {}
     if not path.exists():
         model, task = load(run.pretrained(), args.original if args.hf_dir else args.data_bin)  # its dict.txt
         step = step_batch(args, run.reads)
@@ -507,7 +509,8 @@ def parse_args():
                    "a review of at most k tokens read with each token its own key and value, not E stretched "
                    "over it (runs named ...-exact)")  # fmt: skip
     g.add_argument("--linearize-flags", nargs=argparse.REMAINDER, default=[],
-                   help="the rest of the command line goes to linearize.py")  # fmt: skip
+                   help="the rest of the command line goes to linearize.py, after --compress-length-norm "
+                   "resample (the study's runs were made under it; exact from the start: its own --out)")  # fmt: skip
     g = p.add_argument_group("--quality")
     g.add_argument("--models", nargs="+", default=["roberta", "linformer"], help="runs of the quality study to extend")
     g.add_argument(
@@ -525,6 +528,11 @@ def parse_args():
     a("--jobs", type=int, default=1, help="runs at once, each on --threads threads (default: 1)")
     a("--threads", type=int, default=0, help="threads per process, 0 for torch's default")
     a("--timing-seconds", type=float, default=10, help="timed updates per run last at least this long (default: 10)")
+    a(
+        "--no-timing",
+        action="store_true",
+        help="report runs not yet timed without their cost (timings taken while other jobs share the CPU are noise)",
+    )
     a("--runs", nargs="+", metavar="NAME", help="only these runs, in this order (default: all; names as the report's)")
     a("--report-only", action="store_true", help="only write the report of what has finished")
     args = p.parse_args()

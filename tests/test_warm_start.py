@@ -211,7 +211,7 @@ def test_conversion_copies_every_roberta_weight_and_head(roberta, corpus, tmp_pa
     assert new == {f"encoder.sentence_encoder.layers.{i}.self_attn.compress_{kv}.{what}"
                    for i in range(2) for kv in "kv" for what in ("weight", "length_norm_power")}  # fmt: skip
     powers = {v.item() for k, v in out["model"].items() if k.endswith("length_norm_power")}
-    assert powers == {LENGTH_NORM_POWERS["resample"]}, powers  # the converter's default for short inputs
+    assert powers == {LENGTH_NORM_POWERS["exact"]}, powers  # the converter's default for short inputs
     # the avg init: rows average windows of n/k = 4 positions, keys and values alike (--key-scale 1)
     E, F = (out["model"][f"encoder.sentence_encoder.layers.0.self_attn.compress_{kv}.weight"] for kv in "kv")
     window = torch.arange(N) // 4
@@ -388,6 +388,45 @@ def test_stretched_model_runs_at_the_new_length(sources, source, corpus, tmp_pat
     # unlike periodic, stretching changes short inputs (wider windows): the 1e-5 above can fail
     short = padded_sentences(task)
     assert (features(extended, short) - features(original, short)).abs().max() > 1e-3
+
+
+def test_length_handling_is_switched_alone_or_before_the_extension(sources, corpus, tmp_path, capsys):
+    """--compress-length-norm alone writes the same weights with every length_norm_power and the
+    config switched: under exact, a sentence of at most k = 8 tokens reads differently, a longer
+    one as under resample. With --max-positions the switch comes first, so the extended model
+    computes the switched one on inputs of at most n tokens."""
+    resample, exact_path, long_path = sources["linformer-linear-resample"], tmp_path / "exact.pt", tmp_path / "long.pt"
+    assert call(extend, resample, exact_path, "--compress-length-norm", "exact") == 0
+    assert "(was resample), the same weights" in capsys.readouterr().out
+    before, after = (torch.load(path, weights_only=True) for path in (resample, exact_path))
+    assert (after["cfg"]["model"].compress_length_norm, after["cfg"]["model"].max_positions) == ("exact", N)
+    assert before["model"].keys() == after["model"].keys()
+    for key, value in before["model"].items():
+        want = torch.tensor(LENGTH_NORM_POWERS["exact"]) if key.endswith("length_norm_power") else value
+        torch.testing.assert_close(after["model"][key], want, rtol=0, atol=0, msg=key)
+
+    original, task = load(resample, corpus / "bin")
+    exact, _ = load(exact_path, corpus / "bin")
+    sentences = padded_sentences(task)
+    short = sentences.ne(task.source_dictionary.pad()).sum(1) <= 8
+    assert short.any() and not short.all(), short
+    old, new = features(original, sentences), features(exact, sentences)
+    torch.testing.assert_close(new[~short], old[~short], atol=1e-6, rtol=0)
+    assert (new[short] - old[short]).abs().max() > 1e-3
+
+    assert call(extend, resample, long_path, "--max-positions", 2 * N, "--compress-length-norm", "exact") == 0
+    extended, _ = load(long_path, corpus / "bin")
+    assert torch.load(long_path, weights_only=True)["cfg"]["model"].compress_length_norm == "exact"
+    for tokens in (valid_tokens(corpus, task, N), sentences):
+        torch.testing.assert_close(features(extended, tokens), features(exact, tokens), atol=1e-5, rtol=0)
+
+    for source, message in (("roberta", "applies to Linformer checkpoints, not a roberta"),
+                            ("linformer-mean-pooling", "the checkpoint has no linear projections")):  # fmt: skip
+        assert call(extend, sources[source], tmp_path / "out.pt", "--compress-length-norm", "exact") == 2
+        assert message in error_line(capsys)
+    assert call(extend, resample, tmp_path / "out.pt") == 2
+    assert "nothing to do: give --max-positions, --compress-length-norm or both" in capsys.readouterr().err
+    assert not (tmp_path / "out.pt").exists()
 
 
 # ---------------------------------------------------------------- hub interface

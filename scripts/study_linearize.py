@@ -77,7 +77,11 @@ RUNS = {
 RUNS["n128-k16-lrscaled"] = (SHORT, ["--k", "16", "--transfer-lr", "5e-4", "--projection-lr", "5e-4"])
 # a sentence of at most k tokens read exactly (each token its own key and value), longer ones resampled
 RUNS["n128-k16-exact"] = (SHORT, ["--k", "16", "--compress-length-norm", "exact"])
+RUNS["n128-k8-exact"] = (SHORT, ["--k", "8", "--compress-length-norm", "exact"])
 RUNS["n128-k32-exact"] = (SHORT, ["--k", "32", "--compress-length-norm", "exact"])
+# per-layer k from the spectrum at n = 128 (a mean of 16): under exact a layer reads exactly what fits its k
+RUNS["n128-spectrum-k16-exact"] = (SHORT, ["--k", "16", "--compress-length-norm", "exact", "--layer-compressed-dims",
+                                           "SPECTRUM"])  # fmt: skip
 # the control of finetuning: mean pooling over windows of one position (k = n; empty windows are
 # masked), untrained: the original's attention exactly, on inputs of any length, in the Linformer's code
 RUNS["n128-full-attention"] = (SHORT, ["--k", "128", "--compress-type", "mean", "--transfer-steps", "0",
@@ -125,7 +129,8 @@ def run(args, name):
         return
     if "SPECTRUM" in flags or "SPECTRUM-LAST" in flags:
         dims = {"SPECTRUM": False, "SPECTRUM-LAST": True}
-        flags = [spectrum_dims(spectrum(args, n), 128, n, dims[f]) if f in dims else f for f in flags]
+        mean_k = int(flags[flags.index("--k") + 1])
+        flags = [spectrum_dims(spectrum(args, n), mean_k, n, dims[f]) if f in dims else f for f in flags]
     if "GRID" in flags:
         flags = [*(f for f in flags if f != "GRID"), "--distill-steps", args.grid_steps]
     text, valid = args.wikitext / "wiki.train.tokens", args.wikitext / "wiki.valid.tokens"

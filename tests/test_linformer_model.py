@@ -568,6 +568,42 @@ def test_exact_reads_sentences_of_at_most_k_tokens_with_softmax_attention(sharin
             torch.testing.assert_close(exact(alone)[0], expected, atol=1e-5, rtol=0, msg=f"L={L} alone")
 
 
+@pytest.mark.parametrize("lengths", ([3, 5, 7, 6, 4, 2, 7, 5, 3, 6, 4, 7], [3, 8, 12, 5, 20, 7, 4, 6, 9, 2, 8, 5]))
+def test_resample_prob_reads_some_short_sentences_projected_in_every_layer(lengths):
+    """--compress-resample-prob: in training, each sentence that fits k is read either exactly or as
+    ``resample`` reads it, in every layer alike (its features are one model's or the other's, not a
+    mix); longer sentences are read as before; in eval every short sentence is read exactly."""
+    model = build_model(compress_length_norm="exact", compress_resample_prob=0.5)
+    state = model.state_dict()
+    resample = build_model(compress_length_norm="resample")
+    resample.load_state_dict({key: torch.tensor(-1.0) if key.endswith("length_norm_power") else value
+                              for key, value in state.items()})  # fmt: skip
+    src = tokens(max(lengths), batch=len(lengths), seed=1)
+    for b, L in enumerate(lengths):
+        src[b, L:] = 1  # right padding
+    with torch.no_grad():
+        alone = [(features(model, src[b : b + 1, :L])[0], features(resample, src[b : b + 1, :L])[0])
+                 for b, L in enumerate(lengths)]  # fmt: skip
+        batched = features(model, src)
+        for b, L in enumerate(lengths):
+            torch.testing.assert_close(batched[b, :L], alone[b][0], atol=1e-5, rtol=0)
+        torch.manual_seed(0)
+        trained = features(model.train(), src)
+    readings = []
+    for b, L in enumerate(lengths):
+        exact, projected = alone[b]
+        as_exact = torch.allclose(trained[b, :L], exact, atol=1e-5, rtol=0)
+        as_projected = torch.allclose(trained[b, :L], projected, atol=1e-5, rtol=0)
+        assert as_exact or as_projected, f"sentence {b} (L={L}) read as neither reading"
+        if L > 8:
+            assert as_exact and as_projected, "a sentence longer than k is read as before"
+        else:
+            readings.append("projected" if as_projected else "exact")
+    assert set(readings) == {"exact", "projected"}, readings
+    with pytest.raises(ValueError, match="needs --compress-type linear --compress-length-norm exact"):
+        build_model(compress_length_norm="resample", compress_resample_prob=0.5)
+
+
 def test_mean_init_is_mean_pooling_and_normal_init_matches_the_original():
     n, k = 64, 16
     x = torch.randn(n, 2, 8)

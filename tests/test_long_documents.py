@@ -235,6 +235,12 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
     for key, value in distilled["model"].items():
         want = torch.tensor(-2.0) if key.endswith("length_norm_power") else value
         torch.testing.assert_close(exact["model"][key], want, rtol=0, atol=0, msg=key)
+    # --resample-probs: an -exact run finetuned reading short reviews through the projection now and then
+    mixed = "linformer-n128-k32-s6-exact-resample0.5"
+    run([*cmd[: cmd.index("--runs")], "--no-timing", "--read-exact", "--resample-probs", "0.5", "--runs", mixed])
+    config = (out / "runs" / mixed / "seed1.log").read_text()
+    assert "'compress_resample_prob': 0.5" in config and "'compress_length_norm': exact" in config
+    assert len(json.loads((out / "results.json").read_text())[mixed]["all"]) == 1
 
 
 def test_a_study_step_logs_into_a_folder_not_made_yet(tmp_path):

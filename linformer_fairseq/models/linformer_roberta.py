@@ -121,6 +121,14 @@ class LinformerRobertaConfig(FairseqDataclass):
             "help": "linear projections' init: normal N(0, 0.02) as the original, xavier, or mean (mean pooling)"
         },
     )
+    compress_resample_prob: float = field(
+        default=0.0,
+        metadata={
+            "help": "training only, with --compress-length-norm exact: read each input that fits k through the "
+            "projection (as resample) with this probability, one draw an input for every layer, so that a model "
+            "finetuned mostly on inputs read exactly also learns the projected reading longer inputs get"
+        },
+    )
     freeze_compress: int = field(default=0, metadata={"help": "1: freeze the projection parameters"})
     shared_kv_compressed: int = field(default=0, metadata={"help": "legacy: 1 means --compress-sharing kv"})
     shared_layer_kv_compressed: int = field(

@@ -42,6 +42,7 @@ class LinformerSettings:
     init: str = "normal"
     freeze: bool = False
     ffn_chunk_size: int = 0
+    resample_prob: float = 0.0
 
     def __post_init__(self):
         for name, value, choices in (
@@ -62,6 +63,13 @@ class LinformerSettings:
                 raise ValueError(f"--compress-type {self.kind} needs max_positions ({n}) divisible by k ({k})")
         if self.ffn_chunk_size < 0:
             raise ValueError(f"--ffn-chunk-size must be >= 0, got {self.ffn_chunk_size}")
+        if not 0.0 <= self.resample_prob <= 1.0:
+            raise ValueError(f"--compress-resample-prob must be in [0, 1], got {self.resample_prob}")
+        if self.resample_prob and (self.kind, self.length_norm) != ("linear", "exact"):
+            raise ValueError(
+                "--compress-resample-prob reads inputs that fit k through the projection instead of exactly, "
+                f"so it needs --compress-type linear --compress-length-norm exact, not {self.kind} {self.length_norm}"
+            )
 
     @classmethod
     def from_args(cls, args) -> "LinformerSettings":
@@ -98,6 +106,7 @@ class LinformerSettings:
             init=str(args.compress_init),
             freeze=bool(args.freeze_compress),
             ffn_chunk_size=args.ffn_chunk_size,
+            resample_prob=float(getattr(args, "compress_resample_prob", 0.0)),  # older configs lack it
         )
 
 
@@ -120,6 +129,9 @@ class SequenceProjection(nn.Module):
       softmax attention over its tokens, exactly, at a cost T x T <= T x k) and longer ones as
       ``resample``. Under ``resample`` a short sentence's tokens get whole rows, but unequally
       many (at T = 300, k = 512: one or two), which weighs some tokens double in attention.
+      While training, ``read_projected`` (a ``B`` bool tensor the encoder draws for each batch,
+      ``--compress-resample-prob``) makes ``exact`` read the marked sentences as ``resample``
+      even when they fit k.
     - ``mean`` / ``max``: pooling over windows of s positions; ``conv``: a learned kernel of
       width s applied with stride s (a block-structured E, initialised to mean pooling). An
       input of T positions gives ``ceil(T / s)`` rows, each normalised by its own window, so
@@ -155,6 +167,7 @@ class SequenceProjection(nn.Module):
             self.weight = nn.Parameter(torch.full((groups, self.stride), 1.0 / self.stride))
         else:
             self.register_parameter("weight", None)
+        self.read_projected: Tensor | None = None  # set by the encoder for each training batch
 
     @staticmethod
     def _initial_matrix(init: str, shape) -> Tensor:
@@ -214,18 +227,25 @@ class SequenceProjection(nn.Module):
 
     def _exact_below_k(self, x: Tensor, pad_mask: Tensor | None, weight: Tensor):
         """``exact``: a sentence of L <= k real tokens keeps its tokens as rows (the first L of
-        k, the rest masked: pads are at the end, as ``_resampled`` also assumes); longer ones
-        are resampled to k rows."""
+        k, the rest masked: pads are at the end, as ``_resampled`` also assumes); longer ones,
+        and in training those ``read_projected`` marks, are resampled to k rows."""
         T, B, _ = x.shape
+        drawn = self.read_projected if self.training else None
         real = None if pad_mask is None else ~pad_mask
-        if T <= self.k:
+        if T <= self.k and drawn is None:
             return x, real
         projected = self._linear(x, pad_mask, weight)
-        if real is None:  # every sentence is T > k tokens long
+        if real is None and T > self.k:  # every sentence is longer than k
             return projected, None
-        short = real.sum(1) <= self.k  # no `if short.any()`: on a GPU it would wait for the device
-        rows = torch.where(short.view(1, B, 1), x[: self.k], projected)
-        return rows, torch.where(short.unsqueeze(1), real[:, : self.k], True)
+        if real is None:
+            real = x.new_ones(B, T, dtype=torch.bool)
+        exact = real.sum(1) <= self.k  # no `if exact.any()`: on a GPU it would wait for the device
+        if drawn is not None:
+            assert drawn.shape == (B,), f"read_projected: one flag a sentence ({B}), got {tuple(drawn.shape)}"
+            exact &= ~drawn
+        fill = max(0, self.k - T)  # a batch shorter than k: its exact rows padded (and masked) to k
+        rows = torch.where(exact.view(1, B, 1), F.pad(x[: self.k], (0, 0, 0, 0, 0, fill)), projected)
+        return rows, torch.where(exact.unsqueeze(1), F.pad(real[:, : self.k], (0, fill), value=False), True)
 
     def _linear(self, x: Tensor, pad_mask: Tensor | None, weight: Tensor) -> Tensor:
         T, B, C = x.shape

@@ -113,4 +113,10 @@ class LinformerTransformerEncoder(TransformerEncoderBase):
                 "Linformer needs right-padded inputs (the projection ties E's columns to "
                 "positions); got a batch with padding at position 0 (left padding?)"
             )
+        if self.training and self.linformer.resample_prob > 0:
+            # one draw a sentence for every layer: the reading a longer input would get, throughout
+            drawn = torch.rand(src_tokens.size(0), device=src_tokens.device) < self.linformer.resample_prob
+            for module in self.modules():
+                if isinstance(module, SequenceProjection):
+                    module.read_projected = drawn
         return super().forward(src_tokens, src_lengths, return_all_hiddens, token_embeddings)

@@ -49,6 +49,7 @@ FINETUNING_CHOICES = {
     "checkpoint_activations",
     "offload_activations",
     "min_params_to_wrap",
+    "compress_resample_prob",
 }
 
 

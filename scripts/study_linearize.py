@@ -147,8 +147,6 @@ def spectrum_dims(result, mean_k, n, keep_last=False):
 def run(args, name):
     n, flags = RUNS[name]
     folder = args.out / "runs" / name
-    if folder.with_suffix(".log").is_file():  # finished (a rerun would replace its log)
-        return
     if "SPECTRUM" in flags or "SPECTRUM-LAST" in flags:
         dims = {"SPECTRUM": False, "SPECTRUM-LAST": True}
         mean_k = int(flags[flags.index("--k") + 1])
@@ -164,6 +162,15 @@ def run(args, name):
     else:
         command += ["--heads"]
     command += flags  # last, so that a run's own flags win
+    # what makes the run (its paths aside): a finished run made otherwise is refused, not kept silently
+    recipe = [str(c) for c in command[command.index("--no-export") :] if c != args.sts]
+    recorded = folder.with_suffix(".recipe.json")
+    if recorded.is_file() and json.loads(recorded.read_text()) != recipe:
+        fail(f"{folder} was made with {' '.join(json.loads(recorded.read_text()))}, not {' '.join(recipe)} "
+             "(another --short-steps or --grid-steps?): use another --out, or delete the run to remake it")  # fmt: skip
+    if folder.with_suffix(".log").is_file():  # finished (a rerun would replace its log)
+        return
+    write_text(recorded, json.dumps(recipe) + "\n")
     log(f"{name}: linearize.py {' '.join(map(str, flags))}")
     sh(command, folder.with_suffix(".log"))
 
@@ -334,7 +341,7 @@ def plot_spectrum(spectra, path):
             curve = layer["mean_curve"]
             ax.plot(range(1, len(curve) + 1), curve, label=f"layer {layer['layer']} (90%: {layer['index_of_mass']})")
         ax.axhline(0.9, color="grey", linestyle=":", linewidth=1)
-        ax.set(title=f"all-MiniLM-L6-v2, n={n}", xlabel="singular value index")
+        ax.set(title=f"n={n}", xlabel="singular value index")
         ax.legend(fontsize=6)
     axes[0][0].set_ylabel("normalised cumulative singular value")
     fig.tight_layout()
@@ -349,7 +356,9 @@ def report(args):
     plot_layers(rows, args.out / "fidelity_by_layer.png")
     plot_spectrum(spectra, args.out / "spectrum.png")
     plot_heads(rows, args.out / "heads.png")
-    lines = ["# Linearizing all-MiniLM-L6-v2: results", ""]
+    imported = args.out / "teacher" / "import.json"  # import_hf.py records the folder it read
+    source = json.loads(imported.read_text())["source"] if imported.is_file() else "the imported encoder"
+    lines = [f"# Linearizing {source}: results", ""]
     if spectra:
         lines += ["K holding 90% of each layer's attention spectrum (heads' mean curve; min and max over heads):", ""]
         spec_rows = []
@@ -369,8 +378,9 @@ def report(args):
     finetuned, finetune_scores = finetune_table(args)
     if finetuned:
         how = json.loads((args.out / "finetune" / "settings.json").read_text())
-        budgets = "; ".join(f"{task}: {h['train_rows']}-row training subset, {h['finetune_epochs']} epochs, "
-                            f"lr {h['finetune_lr']}" for task, h in how.items())  # fmt: skip
+        budgets = "; ".join(f"{task}: {h['train_rows']}-row training subset, {h['finetune_epochs']} epoch"
+                            f"{'s' * (h['finetune_epochs'] != 1)}, lr {h['finetune_lr']}"
+                            for task, h in how.items())  # fmt: skip
         lines += [f"Finetuned at n=128 ({budgets}; dev metric after the last epoch; mean ± sd over seeds):", ""]
         lines += [markdown_table(finetuned), ""]
     write_text(args.out / "report.md", "\n".join(lines))

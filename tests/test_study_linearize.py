@@ -103,6 +103,8 @@ def test_a_fresh_study_reports_its_runs_and_their_finetuning(made):
     teacher_sts = results["runs"][RUN]["teacher_sts"]
     assert 0.3 < teacher_sts <= 1, teacher_sts  # identical pairs score highest for any encoder
     assert f"Teacher STS-B dev Spearman (zero-shot, mean pooling, n=128): {teacher_sts:.4f}" in report
+    assert report.startswith(f"# Linearizing {(out.parent / 'hf').resolve()}: results")  # not a fixed name
+    assert "32-row training subset, 1 epoch, lr" in report
     for name, r in results["runs"].items():
         assert r["args"]["compress_length_norm"] == "exact" and r["args"]["distill_steps"] == 4, r["args"]
         assert r["args"]["max_positions"] == 128 and r["args"]["batch_blocks"] == 16
@@ -155,3 +157,8 @@ def test_a_rerun_finds_everything_done(made):
     assert "linearize.py" not in output and "finetuning, seed" not in output, output[-4000:]
     assert {path: path.stat().st_mtime_ns for path in kept} == before
     assert json.loads((out / "results.json").read_text()) == results
+    # a finished run made with other settings is refused, not kept as if it were this command's
+    steps = cmd.index("--short-steps")
+    code, output = study(*cmd[:steps], "--short-steps", 5, *cmd[steps + 2 :])
+    assert code != 0 and "another --short-steps" in output and "--distill-steps 4" in output, output[-2000:]
+    assert {path: path.stat().st_mtime_ns for path in kept} == before

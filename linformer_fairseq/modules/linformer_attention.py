@@ -243,9 +243,10 @@ class SequenceProjection(nn.Module):
         if drawn is not None:
             assert drawn.shape == (B,), f"read_projected: one flag a sentence ({B}), got {tuple(drawn.shape)}"
             exact &= ~drawn
-        fill = max(0, self.k - T)  # a batch shorter than k: its exact rows padded (and masked) to k
-        rows = torch.where(exact.view(1, B, 1), F.pad(x[: self.k], (0, 0, 0, 0, 0, fill)), projected)
-        return rows, torch.where(exact.unsqueeze(1), F.pad(real[:, : self.k], (0, fill), value=False), True)
+        rows, kept = x[: self.k], real[:, : self.k]
+        if T < self.k:  # only with read_projected: the exact rows padded (and masked) to the projection's k
+            rows, kept = F.pad(rows, (0, 0, 0, 0, 0, self.k - T)), F.pad(kept, (0, self.k - T), value=False)
+        return torch.where(exact.view(1, B, 1), rows, projected), torch.where(exact.unsqueeze(1), kept, True)
 
     def _linear(self, x: Tensor, pad_mask: Tensor | None, weight: Tensor) -> Tensor:
         T, B, C = x.shape

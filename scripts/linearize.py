@@ -94,6 +94,17 @@ def read_documents(tokenizer_json, files, n):
     return documents
 
 
+def long_enough(documents, min_tokens, what):
+    """The rows of at least MIN_TOKENS tokens (all of them when it is 0)."""
+    if not min_tokens:
+        return documents
+    kept = documents[documents.ne(PAD).sum(1) >= min_tokens]
+    print(f"{what}: {len(kept)} of {len(documents)} documents have at least {min_tokens} tokens", flush=True)
+    if not len(kept):
+        fail(f"{what}: no document has {min_tokens} tokens or more; lower --min-tokens")
+    return kept
+
+
 def trimmed(x):
     """Rows without the padding columns that every row has (documents: a batch as long as its longest)."""
     return x[:, : int(x.ne(PAD).sum(1).max())].long()
@@ -427,6 +438,10 @@ def parse_args(argv=None):
                         help="each line of the text is one input (cut to N tokens), as a task reads documents, "
                         "instead of blocks of N tokens of running text (--*-blocks then count documents; "
                         "no --short-fraction cuts: documents come with their own lengths)")  # fmt: skip
+    parser.add_argument("--min-tokens", type=int, default=0,
+                        help="with --documents: train on and hold out only documents of at least this many tokens "
+                        "(<s> and </s> included). Under exact length handling a document of at most K tokens is "
+                        "read as the teacher reads it, so it teaches the projections nothing")  # fmt: skip
     g.add_argument("--log-interval", type=int, default=10, help="default: 10")
     g.add_argument("--save-interval", type=int, default=50, help="steps between resumable saves (default: 50)")
     parser.add_argument("--seed", type=int, default=1, help="default: 1")
@@ -445,6 +460,10 @@ def parse_args(argv=None):
         parser.error(f"{args.hf_dir}: no such folder")
     if not 0 < args.k <= args.max_positions:
         parser.error(f"--k {args.k} must be in 1..--max-positions ({args.max_positions})")
+    if args.min_tokens and not args.documents:
+        parser.error("--min-tokens needs --documents (blocks of running text are all N tokens long)")
+    if not 0 <= args.min_tokens <= args.max_positions:
+        parser.error(f"--min-tokens {args.min_tokens} must be in 0..--max-positions ({args.max_positions})")
     if not 0 <= args.short_fraction <= 1:
         parser.error("--short-fraction must be in [0, 1]")
     args.transfer_batch = max(4, args.batch_blocks) if args.transfer_batch is None else args.transfer_batch
@@ -501,9 +520,9 @@ def main(argv=None):
     generator = torch.Generator().manual_seed(args.seed)
     tokenizer = out / "teacher" / "tokenizer.json"
     read = read_documents if args.documents else read_blocks
-    blocks = read(tokenizer, args.text, n)
+    blocks = long_enough(read(tokenizer, args.text, n), args.min_tokens, "--text")
     if args.valid_text:
-        valid = read(tokenizer, args.valid_text, n)[: args.valid_blocks]
+        valid = long_enough(read(tokenizer, args.valid_text, n), args.min_tokens, "--valid-text")[: args.valid_blocks]
     else:
         if len(blocks) <= args.valid_blocks:
             what = "documents" if args.documents else f"blocks of {n}"

@@ -55,14 +55,16 @@ SCRIPTS = REPO / "scripts"
 class Run:
     """A finetuning run: the checkpoint it starts from (``pretrained()`` makes it if missing),
     the length it reads and how longer reviews are cut, what the further training recorded
-    (losses.json of continued pretraining, report.json of a linearization) if any, and hydra
-    overrides of its finetuning."""
+    (losses.json of continued pretraining, report.json of a linearization) if any, hydra
+    overrides of its finetuning, and a check that what it starts from was made as asked (run
+    before anything runs)."""
 
     pretrained: Callable[[], Path]
     reads: int
     truncation: str
     record: Path = None
     overrides: tuple[str, ...] = ()
+    check: Callable[[], object] = lambda: None
 
 
 # ---------------------------------------------------------------- data and the models at n
@@ -167,23 +169,37 @@ def linearize_folder(args, long_n, k, on, steps):
     return args.out / "linearized" / f"n{long_n}-k{k}-s{steps}{'-docs' if on == 'documents' else ''}"
 
 
+def linearize_recipe(args, long_n, k, on, steps):
+    """linearize.py's flags for this folder (its paths aside). The folder's name holds n', k, steps
+    and text only, so one made with other flags is refused, not reused (folders made before the
+    recipe was recorded are accepted)."""
+    out = linearize_folder(args, long_n, k, on, steps)
+    batch = args.batch if on == "documents" else max(1, args.linearize_tokens // long_n)
+    # resample: the runs' default when they were made
+    recipe = ["--max-positions", long_n, "--k", k, "--no-export", "--distill-steps", steps, "--batch-blocks", batch,
+              *(["--documents"] if on == "documents" else []), "--transfer-steps", args.transfer_steps,
+              "--valid-blocks", args.valid_blocks, "--compress-length-norm", "resample",
+              *args.linearize_flags]  # fmt: skip
+    recipe = [str(flag) for flag in recipe]
+    recorded = out.with_suffix(".recipe.json")
+    if recorded.is_file() and json.loads(recorded.read_text()) != recipe:
+        fail(
+            f"{out} was made with {' '.join(json.loads(recorded.read_text()))}, not {' '.join(recipe)} "
+            "(other --linearize-flags, --transfer-steps, --batch?): use another --out, or delete it to remake it"
+        )
+    return recipe
+
+
 def linearized(args, long_n, k, on, steps):
     """A Linformer of the imported encoder at n' positions with projected length k, made by
     linearize.py on IMDB's unlabeled reviews (on blocks: --linearize-tokens tokens of running
     text a step; on documents: --batch whole reviews a step); returns its checkpoint."""
-    out = linearize_folder(args, long_n, k, on, steps)
+    out, recipe = linearize_folder(args, long_n, k, on, steps), linearize_recipe(args, long_n, k, on, steps)
     if not out.with_suffix(".log").exists():
         log(f"linearizing at n={long_n}, k={k}, {steps} steps on {on}")
         out.parent.mkdir(parents=True, exist_ok=True)
-        step = (
-            ["--documents", "--batch-blocks", args.batch]
-            if on == "documents"
-            else ["--batch-blocks", max(1, args.linearize_tokens // long_n)]
-        )
-        sh([sys.executable, SCRIPTS / "linearize.py", args.hf_dir, "--text", args.unlabeled, "--max-positions", long_n,
-            "--k", k, "--out", out, "--no-export", "--distill-steps", steps, *step,
-            "--transfer-steps", args.transfer_steps, "--valid-blocks", args.valid_blocks,
-            "--compress-length-norm", "resample", *args.linearize_flags],  # the runs' default when they were made
+        write_text(out.with_suffix(".recipe.json"), json.dumps(recipe) + "\n")
+        sh([sys.executable, SCRIPTS / "linearize.py", args.hf_dir, "--text", args.unlabeled, "--out", out, *recipe],
            out.with_suffix(".log"), args.threads)  # fmt: skip
     return out / "checkpoint.pt"
 
@@ -225,13 +241,15 @@ def runs(args):
                 folder = linearize_folder(args, *how)
                 name = f"linformer-{folder.name}" + ("-head_tail" if long_n == n else "")
                 made = lambda how=how: linearized(args, *how)  # noqa: E731
-                found[name] = Run(made, long_n, "head_tail", folder / "report.json")
+                check = lambda how=how: linearize_recipe(args, *how)  # noqa: E731
+                found[name] = Run(made, long_n, "head_tail", folder / "report.json", check=check)
                 if args.read_exact and long_n != n:
                     exact = lambda made=made: read_exact(made())  # noqa: E731
-                    found[f"{name}-exact"] = Run(exact, long_n, "head_tail")
+                    found[f"{name}-exact"] = Run(exact, long_n, "head_tail", check=check)
                     for p in args.resample_probs:
                         mixed = (f"++model.compress_resample_prob={p}",)
-                        found[f"{name}-exact-resample{p:g}"] = Run(exact, long_n, "head_tail", overrides=mixed)
+                        found[f"{name}-exact-resample{p:g}"] = Run(exact, long_n, "head_tail", overrides=mixed,
+                                                                   check=check)  # fmt: skip
         return found
     for model in args.models:  # a RoBERTa has no projections: one extension (--control: --hf-dir only)
         for long_n in longer:
@@ -270,7 +288,8 @@ def finetune(args, name, run, seed):
 
 
 def predict(args, checkpoint):
-    """Test reviews as the finetuned model reads them (its truncation): (length, label, correct)."""
+    """Test reviews as the finetuned model reads them (its truncation): (length, label, correct),
+    in the test set's order."""
     import torch
     from fairseq.data import data_utils
 
@@ -278,17 +297,18 @@ def predict(args, checkpoint):
     task.load_dataset("test")
     dataset = task.datasets["test"]
     reviews = data_utils.load_indexed_dataset(str(args.imdb_bin / "input0" / "test"), task.source_dictionary)
-    rows = []
+    by_length = sorted(range(len(dataset)), key=lambda i: reviews.sizes[i])  # batches padded to a close length
+    rows = {}
     with torch.no_grad():
         for start in range(0, len(dataset), 16):
-            sample = dataset.collater([dataset[i] for i in range(start, min(start + 16, len(dataset)))])
+            sample = dataset.collater([dataset[i] for i in by_length[start : start + 16]])
             logits, _ = model(
                 **sample["net_input"], features_only=True, classification_head_name="sentence_classification_head"
             )
             labels = sample["target"].view(-1).tolist()
             for i, guess, label in zip(sample["id"].tolist(), logits.argmax(-1).tolist(), labels):
-                rows.append((int(reviews.sizes[i]) + 1, label, guess == label))  # + <s>
-    return rows
+                rows[i] = (int(reviews.sizes[i]) + 1, label, guess == label)  # + <s>
+    return [rows[i] for i in range(len(dataset))]
 
 
 def do_run(args, name, run):
@@ -607,6 +627,8 @@ def main():
     if unknown:
         fail(f"--runs {' '.join(unknown)}: not runs of this study; its runs are {' '.join(specs)}")
     if not args.report_only:
+        for name in args.runs or specs:  # now: a finished run never asks for its checkpoint again
+            specs[name].check()
         with ThreadPoolExecutor(args.jobs) as pool:
             for done in [pool.submit(do_run, args, name, specs[name]) for name in args.runs or specs]:
                 done.result()

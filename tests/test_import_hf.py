@@ -354,6 +354,32 @@ def test_linearize_lowers_the_projection_lr_as_n_grows_past_512(tmp_path, n, k, 
     assert (args.transfer_lr, args.projection_lr) == (1e-2, lr)
 
 
+def test_linearize_min_tokens_keeps_only_documents_that_long(tmp_path, capsys):
+    """--min-tokens M keeps the documents of at least M tokens (padding not counted), for
+    training and held-out alike; it needs --documents and M <= N, and a text with none that
+    long is refused rather than trained on nothing."""
+    script = load_script("linearize")
+    pad = script.PAD
+    documents = torch.full((4, 6), pad, dtype=torch.int32)
+    for row, length in enumerate((6, 2, 5, 3)):
+        documents[row, :length] = row + 10
+    kept = script.long_enough(documents, 5, "--text")
+    assert kept[:, 0].tolist() == [10, 12] and torch.equal(script.long_enough(documents, 0, "--text"), documents)
+    assert "--text: 2 of 4 documents have at least 5 tokens" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        script.long_enough(documents, 7, "--text")
+    assert "no document has 7 tokens or more" in capsys.readouterr().err
+    argv = [str(tmp_path), "--text", str(TEXT), "--max-positions", "64", "--k", "16", "--out", str(tmp_path / "o")]
+    assert script.parse_args([*argv, "--documents", "--min-tokens", "17"]).min_tokens == 17
+    for extra, message in (
+        (["--min-tokens", "17"], "--min-tokens needs --documents"),
+        (["--documents", "--min-tokens", "65"], "--min-tokens 65 must be in 0..--max-positions (64)"),
+    ):
+        with pytest.raises(SystemExit):
+            script.parse_args([*argv, *extra])
+        assert message in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_linearize_transfers_a_layerwise_projection(tmp_path):
     """With layerwise sharing the one projection (the encoder's compress_layer) is what the

@@ -187,6 +187,9 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
     cmd += ["--runs", "linformer-n128-k32-s6", "original-n128", "original-n64-head_tail"]
     cmd += ["--linearize-flags", "--lr", "5e-4"]
     run(cmd)
+    from fairseq.data import data_utils
+
+    test_set = data_utils.load_indexed_dataset(str(out / "data" / "IMDB-bin" / "input0" / "test"))
     results = json.loads((out / "results.json").read_text())  # the report's order, not --runs' order
     assert list(results) == ["original-n64-head_tail", "original-n128", "linformer-n128-k32-s6"]
     for name, r in results.items():
@@ -198,6 +201,8 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
         assert plan in (out / "runs" / name / "seed1.log").read_text(), name
         rows = json.loads((out / "runs" / name / "seed1" / "predictions.json").read_text())
         assert len(rows) == 8 and sum(length > N for length, _, _ in rows) >= 4  # whole lengths recorded
+        # predicted in batches by length, reported in the test set's order
+        assert [length for length, _, _ in rows] == [size + 1 for size in test_set.sizes]
     # the Linformer's k and n' are the run's, its teacher the original extended to n'
     linearized = out / "linearized" / "n128-k32-s6"
     stages = json.loads((linearized / "report.json").read_text())["stages"]
@@ -214,6 +219,10 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
     assert not (out / "timing" / "original-n128.json").exists()
     assert "| original-n128 | 128 | head_tail |" in again and "| not timed | not timed | not timed |" in again
     assert "seconds_per_update" not in json.loads((out / "results.json").read_text())["original-n128"]
+    # the folder's name does not hold --linearize-flags: one made with others is refused, not reused
+    other = [*cmd[: cmd.index("--linearize-flags")], "--linearize-flags", "--lr", "1e-3"]
+    refused = subprocess.run(list(map(str, other)), capture_output=True, text=True)
+    assert refused.returncode != 0 and "--lr 5e-4, not " in refused.stderr, refused.stderr[-2000:]
     # --first-seed: a study continued elsewhere finetunes only the seeds it names; the report has all
     seeds = cmd.index("--seeds")
     seed2 = [*cmd[:seeds], "--seeds", 2, "--first-seed", 2, *cmd[seeds + 2 : cmd.index("--runs")]]
@@ -237,7 +246,9 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
         torch.testing.assert_close(exact["model"][key], want, rtol=0, atol=0, msg=key)
     # --resample-probs: an -exact run finetuned reading short reviews through the projection now and then
     mixed = "linformer-n128-k32-s6-exact-resample0.5"
-    run([*cmd[: cmd.index("--runs")], "--no-timing", "--read-exact", "--resample-probs", "0.5", "--runs", mixed])
+    linearize_flags = cmd[cmd.index("--linearize-flags") :]  # what its linearization was made with
+    run([*cmd[: cmd.index("--runs")], "--no-timing", "--read-exact", "--resample-probs", "0.5", "--runs", mixed,
+         *linearize_flags])  # fmt: skip
     config = (out / "runs" / mixed / "seed1.log").read_text()
     assert "'compress_resample_prob': 0.5" in config and "'compress_length_norm': exact" in config
     assert len(json.loads((out / "results.json").read_text())[mixed]["all"]) == 1

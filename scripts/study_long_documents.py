@@ -29,8 +29,9 @@ Steps, each skipped when its output exists (a killed study resumes where it stop
    2019); each final model predicts the test subset: accuracy overall and by review length;
 4. the cost at the length each run reads, measured alone after the runs: seconds per
    finetuning update (--batch documents, in steps of at most --step-tokens tokens) and the peak
-   memory of a step, documents per second when predicting; OUT/report.md, OUT/results.json and
-   OUT/accuracy_by_length.png.
+   memory of a step, documents per second when predicting; with --hf-dir, each Linformer's
+   fidelity to the original on test reviews by length (measured when the run is run: a finished
+   run named in --runs gets it too); OUT/report.md, OUT/results.json and OUT/accuracy_by_length.png.
 """
 
 import argparse
@@ -314,6 +315,8 @@ def predict(args, checkpoint):
 def do_run(args, name, run):
     for seed in range(args.first_seed, args.seeds + 1):
         finetune(args, name, run, seed)
+    if args.hf_dir and name.startswith("linformer-") and args.fidelity_reviews:
+        fidelity_by_length(args, name, run)
 
 
 # ---------------------------------------------------------------- report
@@ -386,6 +389,7 @@ def report(args, specs):
             cells += ["not timed"] * 3
         lines.append("| " + " | ".join(cells) + " |")
     lines += further_training(args, specs, results)
+    lines += fidelity_table(args, results, bins)
     lines += ["", "Accuracy (mean of seeds) by review length, in tokens with <s> and </s>:", ""]
     lines += ["| run | " + " | ".join(label for label, _ in bins) + " |", "| --- " * (len(bins) + 1) + "|"]
     lines.append("| reviews | " + " | ".join(map(str, reviews)) + " |")
@@ -430,6 +434,61 @@ def further_training(args, specs, results):
         cells = [before[args.n], before[run.reads], after[args.n], after[run.reads]]
         lines.append(f"| {name} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
     return lines
+
+
+def fidelity_table(args, results, bins):
+    """The report's table of the finetuned Linformers' fidelity on test reviews by length (also to results)."""
+    measured = {name: json.loads(path.read_text()) for name in results
+                if (path := args.out / "fidelity" / f"{name}.json").is_file()}  # fmt: skip
+    if not measured:
+        return []
+    lines = ["", "Fidelity on test reviews (the first of each length bin that the run reads whole; before "
+             "finetuning): mean cosine of the final hidden states, token by token, to the original's at the same "
+             "length (full attention); in brackets, the reviews:", "",
+             "| run | " + " | ".join(label for label, _ in bins) + " |", "| --- " * (len(bins) + 1) + "|"]  # fmt: skip
+    for name, found in measured.items():
+        results[name]["fidelity_by_length"] = found["bins"]
+        cells = [f"{b['cosine']:.4f} ({b['reviews']})" if b["reviews"] else "-" for b in found["bins"].values()]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def fidelity_by_length(args, name, run):
+    """What reading through the projection costs, by review length, on test reviews (never
+    distilled on), the first --fidelity-reviews of each bin; OUT/fidelity/NAME.json (remade when
+    --fidelity-reviews changes)."""
+    path = args.out / "fidelity" / f"{name}.json"
+    if path.is_file() and json.loads(path.read_text())["reviews_a_bin"] == args.fidelity_reviews:
+        return
+    import linearize  # its fidelity(): the measure of the linearization's own report
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    log(f"{name}: fidelity on test reviews by length")
+    teacher = extended(args, "original", run.reads) if run.reads > args.n else base_checkpoint(args, "original")
+    student, teacher = linearize.load(run.pretrained())[0], linearize.load(teacher)[0]
+    reviews = test_reviews(args, run.reads)
+    found = {}
+    for label, keep in length_bins(args.n, args.factors):
+        picked = sorted([r for r in reviews if keep(len(r))][: args.fidelity_reviews], key=len)  # less padding
+        cosine = None
+        if picked:
+            rows = torch.nn.utils.rnn.pad_sequence(picked, batch_first=True, padding_value=linearize.PAD)
+            cosine = linearize.fidelity(student, teacher, rows)["cosine"]
+        found[label] = dict(reviews=len(picked), cosine=cosine)
+    write_text(path, json.dumps(dict(reviews_a_bin=args.fidelity_reviews, bins=found), indent=1))
+
+
+def test_reviews(args, reads):
+    """The test reviews of at most READS tokens as the models read them (<s> review </s>), in the
+    test set's order."""
+    import torch
+    from fairseq.data import data_utils
+
+    reviews = data_utils.load_indexed_dataset(str(args.imdb_bin / "input0" / "test"))
+    bos = torch.tensor([0])  # <s>: sentence prediction prepends it; the review ends with </s>
+    return [torch.cat([bos, reviews[i].long()]) for i in range(len(reviews)) if reviews.sizes[i] + 1 <= reads]
 
 
 def length_bins(n, factors):
@@ -533,6 +592,9 @@ def parse_args():
                    "them (--batch a step; runs named ...-docs); each is its own run (default: blocks)")  # fmt: skip
     g.add_argument("--transfer-steps", type=int, default=100, help="attention transfer steps a layer (default: 100)")
     g.add_argument("--valid-blocks", type=int, default=8, help="held-out blocks for the fidelity (default: 8)")
+    g.add_argument("--fidelity-reviews", type=int, default=24,
+                   help="test reviews a length bin on which each Linformer's fidelity to the original is reported "
+                   "(0: none; default: 24)")  # fmt: skip
     g.add_argument("--read-exact", action="store_true",
                    help="also each Linformer at n' switched to compress_length_norm exact before finetuning: "
                    "a review of at most k tokens read with each token its own key and value, not E stretched "
@@ -574,6 +636,8 @@ def parse_args():
     for name in positive + ["linearize_tokens", "valid_blocks"]:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.fidelity_reviews < 0:
+        p.error("--fidelity-reviews must be >= 0")
     if args.first_seed > args.seeds:
         p.error(f"--first-seed {args.first_seed} is past --seeds {args.seeds}: no seed to finetune")
     if args.resample_probs and not args.read_exact:

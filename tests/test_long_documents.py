@@ -4,6 +4,7 @@ to predictions on whole reviews at n' = 4n: extend_max_positions.py -> pretrain.
 task itself: tests/test_truncation.py). Data: the bundled sample (data/sample/imdb: 48 real
 reviews in the aclImdb layout) through data-prep, as a user's would go."""
 
+import argparse
 import importlib.util
 import json
 import subprocess
@@ -213,6 +214,13 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
     assert (linearized / "teacher-n128.pt").is_file()
     assert len((out / "unsup.txt").read_text().splitlines()) > 10
     assert "| linformer-n128-k32-s6 |" in (out / "report.md").read_text()
+    # its fidelity to the original at n' on test reviews, by length: those it reads whole, 24 a bin at most
+    fidelity = results["linformer-n128-k32-s6"]["fidelity_by_length"]
+    lengths = [size + 1 for size in test_set.sizes]
+    assert {label: b["reviews"] for label, b in fidelity.items()} == {
+        "<= 64": min(24, sum(x <= 64 for x in lengths)), "65-128": min(24, sum(64 < x <= 128 for x in lengths)),
+        "> 128": 0}  # fmt: skip
+    assert all(0 < b["cosine"] < 1 for b in fidelity.values() if b["reviews"]), fidelity
     (out / "timing" / "original-n128.json").unlink()  # --no-timing: its cost is left out, not measured under load
     again = run([*cmd[: cmd.index("--runs")], "--no-timing", *cmd[cmd.index("--runs") :]]).stdout
     assert "finetuning, seed" not in again and "linearizing" not in again, again[-2000:]
@@ -238,6 +246,10 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
     study = importlib.util.spec_from_file_location("study_long_documents", SCRIPTS / "study_long_documents.py")
     module = importlib.util.module_from_spec(study)
     study.loader.exec_module(module)
+    # the fidelity's reviews are read as finetuning reads them: <s> review </s>
+    reviews = module.test_reviews(argparse.Namespace(imdb_bin=out / "data" / "IMDB-bin"), 128)
+    assert [len(review) for review in reviews] == [x for x in lengths if x <= 128]
+    assert all(review[0] == 0 and review[-1] == 2 and not review[1:-1].le(2).any() for review in reviews)
     exact = checkpoints.read_checkpoint(module.read_exact(linearized / "checkpoint.pt"))
     distilled = checkpoints.read_checkpoint(linearized / "checkpoint.pt")
     assert checkpoints.model_namespace(exact).compress_length_norm == "exact"

@@ -26,7 +26,9 @@ Steps, each skipped when its output exists (a killed study resumes where it stop
 2. the models each run finetunes (above);
 3. runs: finetuned with scripts/finetune.sh imdb over --seeds seeds (reviews longer than the
    model reads cut head+tail: the first n/4 tokens and the rest from the end, as Sun et al.
-   2019); each final model predicts the test subset: accuracy overall and by review length;
+   2019); each final model predicts the test subset: accuracy overall and by review length,
+   and that of the seed best on fairseq's validation reviews (what a user keeping one of
+   several finetunings would get);
 4. the cost at the length each run reads, measured alone after the runs: seconds per
    finetuning update (--batch documents, in steps of at most --step-tokens tokens) and the peak
    memory of a step, documents per second when predicting; with --hf-dir, each Linformer's
@@ -46,6 +48,7 @@ from pathlib import Path
 
 from linformer_tools import checkpoints
 from linformer_tools.common import REPO, fail, write_text
+from linformer_tools.logs import records
 from linformer_tools.models import pyplot, save_figure
 from linformer_tools.study import context_losses, finetuning_cost, load, log, mean_sd, sh
 
@@ -358,7 +361,8 @@ def report(args, specs):
     lines += ["| " + " | ".join(header + ["docs/s"]) + " |", "| --- " * (len(header) + 1) + "|"]
     results = {}
     for name, run in specs.items():
-        seeds = [rows for s in range(1, args.seeds + 1) if (rows := predictions(args, name, s))]
+        finished = [s for s in range(1, args.seeds + 1) if predictions(args, name, s)]
+        seeds = [predictions(args, name, s) for s in finished]
         if not seeds:  # not run yet
             continue
 
@@ -377,6 +381,7 @@ def report(args, specs):
         results[name]["by_length"] = {
             label: dict(reviews=count, accuracy=accuracy(keep)) for (label, keep), count in zip(bins, reviews)
         }
+        results[name]["valid"] = [validation_accuracy(args, name, s) for s in finished]
         r = results[name]
         cells = [name, str(run.reads), run.truncation, mean_sd(r["all"]), mean_sd(r["short"]), mean_sd(r["long"])]
         if cost:
@@ -388,6 +393,7 @@ def report(args, specs):
         else:
             cells += ["not timed"] * 3
         lines.append("| " + " | ".join(cells) + " |")
+    lines += seeds_table(results)
     lines += further_training(args, specs, results)
     lines += fidelity_table(args, results, bins)
     lines += ["", "Accuracy (mean of seeds) by review length, in tokens with <s> and </s>:", ""]
@@ -400,6 +406,31 @@ def report(args, specs):
     write_text(args.out / "results.json", json.dumps(results, indent=1))
     plot_by_length(results, args.out / "accuracy_by_length.png", n)
     print("\n".join(lines))
+
+
+def validation_accuracy(args, name, seed):
+    """The accuracy of a finetuning's last validation (fairseq's, on the --valid-size reviews), or
+    None if it logged none."""
+    found = records(args.out / "runs" / name / f"seed{seed}" / "hydra_train.log", "valid")
+    return found[-1]["accuracy"] if found else None
+
+
+def seeds_table(results):
+    """The report's table of each seed's validation and test accuracy, and the test accuracy of the
+    seed a user would keep: the one best on validation (where seeds differ by more than the runs
+    do, it ranks runs as a user of one finetuning would meet them)."""
+    lines = ["", "Seeds: accuracy on fairseq's validation reviews after the last epoch, and on the test reviews; "
+             "the test accuracy of the seed best on validation:", "",
+             "| run | validation, by seed | test, by seed | test, seed best on validation |",
+             "| --- " * 4 + "|"]  # fmt: skip
+    for name, r in results.items():
+        valid = r["valid"]
+        kept = max(range(len(valid)), key=lambda i: (valid[i] is not None, valid[i] or 0))  # first of ties
+        r["test_of_best_on_validation"] = r["all"][kept]
+        cells = [", ".join("-" if v is None else f"{v:.1f}" for v in valid), ", ".join(f"{a:.1f}" for a in r["all"]),
+                 f"{r['all'][kept]:.1f}"]  # fmt: skip
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def further_training(args, specs, results):

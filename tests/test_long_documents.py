@@ -238,7 +238,10 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
     assert refused.returncode != 0 and "--first-seed 3 is past --seeds 2" in refused.stderr
     log = run([*seed2, "--no-timing", "--runs", "original-n64-head_tail"]).stdout
     assert "original-n64-head_tail: finetuning, seed 2" in log and "finetuning, seed 1" not in log, log[-2000:]
-    assert len(json.loads((out / "results.json").read_text())["original-n64-head_tail"]["all"]) == 2
+    both = json.loads((out / "results.json").read_text())["original-n64-head_tail"]
+    assert len(both["all"]) == 2 and len(both["valid"]) == 2
+    assert all(v in (0, 25, 50, 75, 100) for v in both["valid"]), both  # accuracy on 4 validation reviews
+    assert both["test_of_best_on_validation"] == both["all"][both["valid"].index(max(both["valid"]))]
     # --read-exact: each Linformer at n' also switched to exact length handling, the same weights
     listed = subprocess.run([*map(str, cmd[: cmd.index("--runs")]), "--read-exact", "--runs", "none"],
                             capture_output=True, text=True).stderr  # fmt: skip
@@ -246,6 +249,13 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
     study = importlib.util.spec_from_file_location("study_long_documents", SCRIPTS / "study_long_documents.py")
     module = importlib.util.module_from_spec(study)
     study.loader.exec_module(module)
+    # a seed's validation accuracy is that of its last validation, none if it logged none
+    logged = tmp_path / "logs" / "runs" / "run" / "seed1" / "hydra_train.log"
+    logged.parent.mkdir(parents=True)
+    line = "[2026-11-27 06:24:50][valid][INFO] - epoch 00{} | valid on 'valid' subset | accuracy {} | best_accuracy 78"
+    logged.write_text(line.format(1, 78) + "\n" + line.format(2, 50.5) + "\n")
+    logs = argparse.Namespace(out=tmp_path / "logs")
+    assert (module.validation_accuracy(logs, "run", 1), module.validation_accuracy(logs, "run", 2)) == (50.5, None)
     # the fidelity's reviews are read as finetuning reads them: <s> review </s>
     reviews = module.test_reviews(argparse.Namespace(imdb_bin=out / "data" / "IMDB-bin"), 128)
     assert [len(review) for review in reviews] == [x for x in lengths if x <= 128]

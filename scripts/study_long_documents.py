@@ -361,8 +361,8 @@ def report(args, specs):
     lines += ["| " + " | ".join(header + ["docs/s"]) + " |", "| --- " * (len(header) + 1) + "|"]
     results = {}
     for name, run in specs.items():
-        finished = [s for s in range(1, args.seeds + 1) if predictions(args, name, s)]
-        seeds = [predictions(args, name, s) for s in finished]
+        finished = {s: rows for s in range(1, args.seeds + 1) if (rows := predictions(args, name, s))}
+        seeds = list(finished.values())
         if not seeds:  # not run yet
             continue
 

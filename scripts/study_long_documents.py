@@ -329,8 +329,8 @@ def report(args, specs):
     n = args.n
     what = f"{args.hf_dir} (imported, n={n})" if args.hf_dir else f"pretrained at n={n} ({args.quality})"
     further = (
-        f"linearized with {' or '.join(map(str, args.linearize_steps))} distillation steps on IMDB's unlabeled "
-        "reviews ("
+        f"linearized with {' or '.join(map(str, args.linearize_steps))} distillation steps on the unlabeled "
+        f"reviews of {corpus_name(args)} ("
         + ", ".join(
             f"{args.linearize_tokens} tokens of running text a step"
             if on == "blocks"
@@ -342,9 +342,9 @@ def report(args, specs):
         else f"continued pretraining {args.continue_updates} updates at lr {args.continue_lr}"
     )
     lines = [
-        f"Long-document study: {what}, IMDB {args.train_size} train / {args.test_size} test reviews (stratified, "
-        f"seed 1), {args.epochs} epochs, batch {args.batch}, lr {args.lr}, seeds {args.first_seed}..{args.seeds}; "
-        f"{further}.",
+        f"Long-document study: {what}, {corpus_name(args)} {args.train_size} train / {args.test_size} test reviews "
+        f"(stratified, seed 1), {args.epochs} epochs, batch {args.batch}, lr {args.lr}, "
+        f"seeds {args.first_seed}..{args.seeds}; {further}.",
         "",
     ]
     lengths = test_lengths(args)
@@ -357,7 +357,7 @@ def report(args, specs):
     lines += [f"An update of {args.batch} reviews in steps of at most {args.step_tokens} tokens: {steps}.", ""]
     bins = length_bins(n, args.factors)
     reviews = [sum(keep(x) for x in lengths) for _, keep in bins]
-    header = ["run", "reads", "truncation", "accuracy", f"<= {n} tokens", f"> {n} tokens", "s/update", "peak MB"]
+    header = ["run", "reads", "longer cut to", "accuracy", f"<= {n} tokens", f"> {n} tokens", "s/update", "peak MB"]
     lines += ["| " + " | ".join(header + ["docs/s"]) + " |", "| --- " * (len(header) + 1) + "|"]
     results = {}
     for name, run in specs.items():
@@ -383,7 +383,8 @@ def report(args, specs):
         }
         results[name]["valid"] = [validation_accuracy(args, name, s) for s in finished]
         r = results[name]
-        cells = [name, str(run.reads), run.truncation, mean_sd(r["all"]), mean_sd(r["short"]), mean_sd(r["long"])]
+        cells = [name, str(run.reads), f"{run.truncation} {run.reads}"]
+        cells += [mean_sd(r["all"]), mean_sd(r["short"]), mean_sd(r["long"])]
         if cost:
             cells += [
                 f"{cost['seconds_per_update']:.3f}",
@@ -404,8 +405,14 @@ def report(args, specs):
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     write_text(args.out / "report.md", "\n".join(lines) + "\n")
     write_text(args.out / "results.json", json.dumps(results, indent=1))
-    plot_by_length(results, args.out / "accuracy_by_length.png", n)
+    plot_by_length(results, args.out / "accuracy_by_length.png", n, corpus_name(args))
     print("\n".join(lines))
+
+
+def corpus_name(args):
+    """IMDB for aclImdb's own tarball, else the tarball's name: data-prep/polarity.sh writes Pang &
+    Lee's reviews in the same layout, and a report on them must not say IMDB."""
+    return "IMDB" if args.imdb.name.startswith("aclImdb") else args.imdb.name
 
 
 def validation_accuracy(args, name, seed):
@@ -530,7 +537,7 @@ def length_bins(n, factors):
     return bins + [(f"> {edges[-1]}", lambda x: x > edges[-1])]
 
 
-def plot_by_length(results, path, n):
+def plot_by_length(results, path, n, corpus):
     fig, ax = pyplot().subplots(figsize=(8, 5))
     for name, r in results.items():
         bins = r["by_length"].items()
@@ -538,7 +545,7 @@ def plot_by_length(results, path, n):
         style = dict(linestyle="--") if f"-n{n}-" in name else dict(linewidth=2.5)  # truncated runs dashed
         ax.plot(*zip(*points), marker="o", label=name, **style)
     ax.set(xlabel="review length in tokens (reviews)", ylabel="test accuracy, mean of seeds (%)")
-    ax.set_title(f"IMDB accuracy by review length (dashed: reads n={n} tokens)")
+    ax.set_title(f"{corpus} accuracy by review length (dashed: reads n={n} tokens)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, path)

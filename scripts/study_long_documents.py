@@ -326,11 +326,11 @@ def do_run(args, name, run):
 
 
 def report(args, specs):
-    n = args.n
+    n, corpus = args.n, corpus_name(args)
     what = f"{args.hf_dir} (imported, n={n})" if args.hf_dir else f"pretrained at n={n} ({args.quality})"
     further = (
         f"linearized with {' or '.join(map(str, args.linearize_steps))} distillation steps on the unlabeled "
-        f"reviews of {corpus_name(args)} ("
+        f"reviews of {corpus} ("
         + ", ".join(
             f"{args.linearize_tokens} tokens of running text a step"
             if on == "blocks"
@@ -342,7 +342,7 @@ def report(args, specs):
         else f"continued pretraining {args.continue_updates} updates at lr {args.continue_lr}"
     )
     lines = [
-        f"Long-document study: {what}, {corpus_name(args)} {args.train_size} train / {args.test_size} test reviews "
+        f"Long-document study: {what}, {corpus} {args.train_size} train / {args.test_size} test reviews "
         f"(stratified, seed 1), {args.epochs} epochs, batch {args.batch}, lr {args.lr}, "
         f"seeds {args.first_seed}..{args.seeds}; {further}.",
         "",
@@ -405,7 +405,7 @@ def report(args, specs):
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     write_text(args.out / "report.md", "\n".join(lines) + "\n")
     write_text(args.out / "results.json", json.dumps(results, indent=1))
-    plot_by_length(results, args.out / "accuracy_by_length.png", n, corpus_name(args))
+    plot_by_length(results, args.out / "accuracy_by_length.png", n, corpus)
     print("\n".join(lines))
 
 
@@ -603,8 +603,8 @@ def parse_args():
     a("--out", type=Path, default=REPO / "work" / "long", help="output folder (default: work/long)")
     a("--factors", nargs="+", type=int, default=[4], help="n' = factor x n (default: 4)")
     a("--control", action="store_true", help="--hf-dir: also each linearization at n, then head+tail truncation")
-    a("--train-size", type=int, default=1000, help="IMDB training reviews, half of each class (default: 1000)")
-    a("--test-size", type=int, default=1000, help="IMDB test reviews, half of each class (default: 1000)")
+    a("--train-size", type=int, default=1000, help="training reviews, half of each class (default: 1000)")
+    a("--test-size", type=int, default=1000, help="test reviews, half of each class (default: 1000)")
     a("--valid-size", type=int, default=200, help="training reviews held out for fairseq's validation")
     a("--epochs", type=int, default=2, help="finetuning epochs (default: 2)")
     a("--batch", type=int, default=8, help="reviews per update (default: 8)")

@@ -13,6 +13,7 @@ import pytest
 from linformer_tools.common import REPO, SAMPLE
 
 SCRIPTS = REPO / "scripts"
+STUDIES = REPO / "studies"
 CONFIG = "linformer_n512_k128_kv"
 # hydra overrides that shrink a pretraining config to seconds per run on a CPU
 TINY = [
@@ -80,6 +81,15 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_study(name: str):
+    """studies/NAME.py, or a module of a study's package (``long_documents.runs``), for the tests
+    of its functions: studies/ goes on sys.path as when a study runs, since the studies import
+    common.py and their packages from beside them."""
+    if str(STUDIES) not in sys.path:
+        sys.path.insert(0, str(STUDIES))
+    return importlib.import_module(name)
 
 
 def run(cmd, cwd=None, timeout=600):

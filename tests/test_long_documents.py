@@ -5,7 +5,6 @@ task itself: tests/test_truncation.py). Data: the bundled sample (data/sample/im
 reviews in the aclImdb layout) through data-prep, as a user's would go."""
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import ENV, SCRIPTS
+from conftest import ENV, SCRIPTS, STUDIES, load_study
 
 from linformer_tools import checkpoints
 from linformer_tools.common import REPO, SAMPLE
@@ -178,7 +177,7 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
 
     hf = save_tiny(tmp_path / "hf", "bert", head=False)
     out = tmp_path / "long"
-    cmd = [sys.executable, SCRIPTS / "study_long_documents.py", "--hf-dir", hf, "--out", out]
+    cmd = [sys.executable, STUDIES / "study_long_documents.py", "--hf-dir", hf, "--out", out]
     cmd += ["--imdb", tarball_with_unlabeled(tmp_path / "imdb.tar.gz"), "--train-size", 16, "--test-size", 8]
     cmd += ["--valid-size", 4, "--epochs", 1, "--batch", 4, "--seeds", 1, "--factors", 2, "--ks", "n/4"]
     cmd += ["--linearize-steps", 6, "--linearize-tokens", 256, "--transfer-steps", 4, "--valid-blocks", 2]
@@ -249,21 +248,19 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
     listed = subprocess.run([*map(str, cmd[: cmd.index("--runs")]), "--read-exact", "--runs", "none"],
                             capture_output=True, text=True).stderr  # fmt: skip
     assert "its runs are" in listed and " linformer-n128-k32-s6-exact" in listed, listed[-2000:]
-    study = importlib.util.spec_from_file_location("study_long_documents", SCRIPTS / "study_long_documents.py")
-    module = importlib.util.module_from_spec(study)
-    study.loader.exec_module(module)
+    reads, makes, reports = (load_study(f"long_documents.{part}") for part in ("data", "runs", "report"))
     # a seed's validation accuracy is that of its last validation, none if it logged none
     logged = tmp_path / "logs" / "runs" / "run" / "seed1" / "hydra_train.log"
     logged.parent.mkdir(parents=True)
     line = "[2026-11-27 06:24:50][valid][INFO] - epoch 00{} | valid on 'valid' subset | accuracy {} | best_accuracy 78"
     logged.write_text(line.format(1, 78) + "\n" + line.format(2, 50.5) + "\n")
     logs = argparse.Namespace(out=tmp_path / "logs")
-    assert (module.validation_accuracy(logs, "run", 1), module.validation_accuracy(logs, "run", 2)) == (50.5, None)
+    assert (reports.validation_accuracy(logs, "run", 1), reports.validation_accuracy(logs, "run", 2)) == (50.5, None)
     # the fidelity's reviews are read as finetuning reads them: <s> review </s>
-    reviews = module.test_reviews(argparse.Namespace(imdb_bin=out / "data" / "IMDB-bin"), 128)
+    reviews = reads.test_reviews(argparse.Namespace(imdb_bin=out / "data" / "IMDB-bin"), 128)
     assert [len(review) for review in reviews] == [x for x in lengths if x <= 128]
     assert all(review[0] == 0 and review[-1] == 2 and not review[1:-1].le(2).any() for review in reviews)
-    exact = checkpoints.read_checkpoint(module.read_exact(linearized / "checkpoint.pt"))
+    exact = checkpoints.read_checkpoint(makes.read_exact(linearized / "checkpoint.pt"))
     distilled = checkpoints.read_checkpoint(linearized / "checkpoint.pt")
     assert checkpoints.model_namespace(exact).compress_length_norm == "exact"
     for key, value in distilled["model"].items():
@@ -281,7 +278,7 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
 
 def test_a_study_step_logs_into_a_folder_not_made_yet(tmp_path):
     """A fresh study's first run logs to OUT/runs/NAME.log before anything made OUT/runs."""
-    from linformer_tools.study import sh
+    sh = load_study("common").sh
 
     logfile = tmp_path / "runs" / "first.log"
     sh([sys.executable, "-c", "print('made')"], logfile)

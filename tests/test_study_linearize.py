@@ -1,4 +1,4 @@
-"""scripts/study_linearize.py end to end on a tiny imported BERT (2 layers, 512 positions: the
+"""studies/study_linearize.py end to end on a tiny imported BERT (2 layers, 512 positions: the
 study measures the teacher's spectrum at n = 128, 256 and 512 whatever runs it makes; the first
 layer's attention made sharp, so that the layers' spectra differ and k = 16 is not exact): two of its
 n = 128 runs into a fresh --out, the teacher and one run finetuned on a tiny SST-2, the report,
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ENV, SCRIPTS, load_script
+from conftest import ENV, STUDIES, load_study
 from test_import_hf import save_tiny, transformers  # skips this module too without transformers (the hf extra)
 
 from linformer_tools import checkpoints
@@ -25,7 +25,7 @@ TEACHER = "teacher-n128"
 def study(*argv):
     """The study as a user runs it: (exit status, its output and errors)."""
     done = subprocess.run(
-        [sys.executable, SCRIPTS / "study_linearize.py", *map(str, argv)], env=ENV, capture_output=True, text=True
+        [sys.executable, STUDIES / "study_linearize.py", *map(str, argv)], env=ENV, capture_output=True, text=True
     )
     return done.returncode, done.stdout + done.stderr
 
@@ -137,7 +137,7 @@ def test_the_spectrum_run_gets_per_layer_k_at_the_requested_mean(made):
     assert len(dims) == 2 and statistics.mean(dims) == 16, dims
     assert dims[0] > dims[1] == 8, dims  # the flat layer (a spectrum of rank one) held at 8, the sharp one the rest
     spectrum = json.loads((out / "spectrum" / "n128" / "spectrum.json").read_text())
-    assert passed == load_script("study_linearize").spectrum_dims(spectrum, 16, 128)
+    assert passed == load_study("study_linearize").spectrum_dims(spectrum, 16, 128)
     ns = checkpoints.model_namespace(checkpoints.read_checkpoint(out / "runs" / SPECTRUM_RUN / "checkpoint.pt"))
     assert ns.layer_compressed_dims == passed
 

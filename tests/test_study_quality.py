@@ -1,7 +1,7 @@
-"""The studies end to end at tiny size on the bundled sample. scripts/study_quality.py: data,
+"""The studies end to end at tiny size on the bundled sample. studies/study_quality.py: data,
 pretraining, the short-input table, SST-2 and CoLA finetuning over seeds, timing and the report;
 resuming a finished study redoes nothing; another study's settings in the same folder are
-refused. scripts/study_long_documents.py on its models and the bundled IMDB reviews: the
+refused. studies/study_long_documents.py on its models and the bundled IMDB reviews: the
 extension, continued pretraining (and the control's at n), truncated and whole-review finetuning,
 the report."""
 
@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, SAMPLE, run
+from conftest import SAMPLE, STUDIES, run
 
 pytestmark = pytest.mark.slow(minutes=8)
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow(minutes=8)
 def study(out, *extra):
     return [
         sys.executable,
-        REPO / "scripts" / "study_quality.py",
+        STUDIES / "study_quality.py",
         "--out",
         out,
         "--size",
@@ -97,7 +97,7 @@ def test_study_runs_end_to_end_and_resumes(quality_study):
 
 def test_long_document_study_on_the_quality_studys_models(quality_study, tmp_path):
     out = tmp_path / "long"
-    cmd = [sys.executable, REPO / "scripts" / "study_long_documents.py", "--quality", quality_study, "--out", out]
+    cmd = [sys.executable, STUDIES / "study_long_documents.py", "--quality", quality_study, "--out", out]
     cmd += ["--imdb", SAMPLE / "imdb" / "aclImdb_sample.tar.gz", "--train-size", 16, "--test-size", 8]
     # one seed (the quality study's test covers the mean over several), the Linformer only (the
     # full-attention extension: test_long_documents' imported encoder), head truncation left out

@@ -1,5 +1,5 @@
 """Pang & Lee's movie-review polarity dataset (v2.0: whole reviews, pos/neg) -> an aclImdb_v1-layout
-tarball, so that data-prep/imdb.sh and scripts/study_long_documents.py --imdb read it unchanged.
+tarball, so that data-prep/imdb.sh and studies/study_long_documents.py --imdb read it unchanged.
 
 The source is the 1,500-review subset (750 pos, 750 neg) that the `pattern` library ships as
 test/corpora/polarity-en-pang&lee1.csv: a BOM, no header, rows `"1"|"-1","text"` with the text

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """What the Linformer's projection costs on a real pretrained encoder (all-MiniLM-L6-v2):
-linearize it (scripts/linearize.py) under each setting and read the fidelity it reaches.
+linearize it (scripts/linearize.py) under each setting and read the fidelity it reaches. Its
+report fills docs/linearize.md.
 
-    python scripts/study_linearize.py --hf-dir work/minilm/hf --wikitext ../shared/data/wikitext-2 \\
-        --sts ../shared/data/glue/STS-B/dev.tsv --out /work/study29 [--runs NAME ...] \\
+    python studies/study_linearize.py --hf-dir work/minilm/hf --wikitext ../shared/data/wikitext-2 \\
+        --sts ../shared/data/glue/STS-B/dev.tsv --out OUT [--runs NAME ...] \\
         [--glue ../shared/data/glue]
 
 Runs (each a linearize.py folder under OUT/runs, resumable; --runs picks some, --help lists them):
@@ -36,7 +37,8 @@ from pathlib import Path
 from linformer_tools import fairseq_train
 from linformer_tools.common import REPO, SCRIPTS_DIR, fail, markdown_table, write_text
 from linformer_tools.models import pyplot, save_figure
-from linformer_tools.study import GLUE_TASKS, dev_scores, finetune_flags, glue_subset, log, mean_sd, sh
+
+from common import GLUE_TASKS, dev_scores, finetune_flags, glue_subset, log, mean_sd, sh
 
 LONG, SHORT = 512, 128
 # name: (n, linearize.py flags); GRID: the comparison grid's shorter distillation. The runs made
@@ -70,8 +72,8 @@ RUNS = {
     "n128-k16-short": (SHORT, ["--k", "16", "--key-scale", "1", "--short-fraction", "0.75"]),
     "n128-k16-noscale": (SHORT, ["--k", "16", "--key-scale", "1"]),
 }
-# the fifth session's default, E/F's lr scaled by the window (1e-3 x min(1, 4k/n)); the runs above
-# were made with 1e-3, today's default at n <= 512
+# E/F's lr scaled by the window (1e-3 x min(1, 4k/n)) against the 1e-3 the runs above were made
+# with, linearize.py's default at n <= 512
 RUNS["n128-k16-lrscaled"] = (SHORT, ["--k", "16", "--transfer-lr", "5e-4", "--projection-lr", "5e-4"])
 # a sentence of at most k tokens read exactly (each token its own key and value), longer ones resampled
 RUNS["n128-k16-exact"] = (SHORT, ["--k", "16", "--compress-length-norm", "exact"])

@@ -1,5 +1,5 @@
 """Quality study: Linformer variants side by side with RoBERTa of the same size, data, budget
-and seed (docs/quality.md has the method and the results).
+and seed. Its report fills docs/quality.md, which has the method and the results.
 
 Steps, each reused when the study runs again (a killed pretraining resumes from its
 checkpoint_last.pt):
@@ -25,7 +25,8 @@ from linformer_tools import fairseq_train
 from linformer_tools.common import REPO, atomic, fail, write_text
 from linformer_tools.logs import by_update, records
 from linformer_tools.models import pyplot, save_figure
-from linformer_tools.study import (
+
+from common import (
     GLUE_TASKS,
     context_losses,
     dev_scores,
@@ -200,7 +201,7 @@ def pretrain(args, paths, model_flags, extra_flags, out):
 
 
 def finetune(args, paths, task, model_flags, out, seed):
-    """TASK from the pretrained checkpoint (linformer_tools.study.finetune_flags)."""
+    """TASK from the pretrained checkpoint (common.finetune_flags)."""
     sh(
         [sys.executable, "-m", "fairseq_cli.train", paths[task], *model_flags, *size_flags(args.shape), *COMMON]
         + ["--finetune-from-model", out / "checkpoints" / "checkpoint_last.pt"]

@@ -1,7 +1,8 @@
-"""What the studies share (scripts/study_quality.py, scripts/study_long_documents.py,
-scripts/study_linearize.py): running their steps resumably, loading a run's checkpoint, the
+"""What the studies share (studies/study_quality.py, studies/study_long_documents.py,
+studies/study_linearize.py): running their steps resumably, loading a run's checkpoint, the
 masked-LM loss of the same tokens read with shorter contexts, the cost of a training update, and
-GLUE finetuning on fixed subsets."""
+GLUE finetuning on fixed subsets. A study imports it as ``common``, from beside it; no user
+script in scripts/ imports it."""
 
 import math
 import os
@@ -12,9 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from . import measure
-from .common import fail
-from .logs import records
+from linformer_tools import measure
+from linformer_tools.common import fail
+from linformer_tools.logs import records
 
 # GLUE task: (dev metric, criterion flags, whether its train.tsv has a header)
 GLUE_TASKS = {"SST-2": ("accuracy", [], True), "CoLA": ("mcc", ["--report-mcc"], False)}

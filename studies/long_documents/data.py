@@ -1,0 +1,55 @@
+"""The long-document study's data: the IMDB subset read from the tarball (data-prep/imdb.sh: fixed
+stratified train/test subsets, reviews kept whole), the test reviews and their lengths as the
+models read them, and the length bins the report splits them into."""
+
+from linformer_tools.common import REPO
+
+from common import sh
+
+
+def prepare_imdb(args):
+    if args.hf_dir:
+        encoder, srcdict = args.original / "tokenizer.json", args.original / "dict.txt"
+        unlabeled = ["--unlabeled", args.unlabeled]
+    else:
+        encoder, srcdict = args.quality / "data" / "spm" / "spm.model", args.quality / "data" / "spm" / "dict.txt"
+        unlabeled = []
+    sh(
+        [REPO / "data-prep" / "imdb.sh", "--tarball", args.imdb, "--destdir", args.out / "data", "--workers", 2]
+        + ["--spm-model", encoder, "--srcdict", srcdict, *unlabeled]
+        + ["--train-size", args.train_size, "--test-size", args.test_size, "--valid-size", args.valid_size]
+    )
+    return args.out / "data" / "IMDB-bin"
+
+
+def test_reviews(args, reads):
+    """The test reviews of at most READS tokens as the models read them (<s> review </s>), in the
+    test set's order."""
+    import torch
+    from fairseq.data import data_utils
+
+    reviews = data_utils.load_indexed_dataset(str(args.imdb_bin / "input0" / "test"))
+    bos = torch.tensor([0])  # <s>: sentence prediction prepends it; the review ends with </s>
+    return [torch.cat([bos, reviews[i].long()]) for i in range(len(reviews)) if reviews.sizes[i] + 1 <= reads]
+
+
+def test_lengths(args):
+    """Each test review's length as the models see it whole (with <s> and </s>)."""
+    from fairseq.data import data_utils
+
+    reviews = data_utils.load_indexed_dataset(str(args.imdb_bin / "input0" / "test"))
+    return [int(size) + 1 for size in reviews.sizes]  # read while the dataset (its memory map) is open
+
+
+def length_bins(n, factors):
+    """(label, keep) for review lengths split at n, 2n and each n'."""
+    edges = sorted({n, 2 * n} | {n * f for f in factors})
+    bins = [(f"<= {edges[0]}", lambda x: x <= edges[0])]
+    bins += [(f"{lo + 1}-{hi}", lambda x, lo=lo, hi=hi: lo < x <= hi) for lo, hi in zip(edges, edges[1:])]
+    return bins + [(f"> {edges[-1]}", lambda x: x > edges[-1])]
+
+
+def corpus_name(args):
+    """IMDB for aclImdb's own tarball, else the tarball's name: data-prep/polarity.sh writes Pang &
+    Lee's reviews in the same layout, and a report on them must not say IMDB."""
+    return "IMDB" if args.imdb.name.startswith("aclImdb") else args.imdb.name

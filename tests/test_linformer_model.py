@@ -366,7 +366,7 @@ class Features(torch.nn.Module):
         return self.model(src_tokens, features_only=True)[0]
 
 
-# TorchScript tracing is documented in the README; torch 2.13 deprecates it (in favour of torch.export)
+# TorchScript tracing is documented in docs/model.md; torch 2.13 deprecates it (in favour of torch.export)
 @pytest.mark.filterwarnings("ignore:.*torch.jit.trace.* is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("kind", COMPRESS_TYPES)
 def test_traced_encoder_matches_eager_at_other_lengths_batches_and_paddings(kind):
@@ -410,7 +410,7 @@ def test_traced_encoder_matches_eager_at_other_lengths_batches_and_paddings(kind
         # the documented limits
         src = batch(20, 2, (20, 12))
         assert not torch.allclose(unpadded_trace(src)[1, :12], features(model, src)[1, :12], atol=1e-5), (
-            "a trace of an unpadded example now handles padding: update this test and the README"
+            "a trace of an unpadded example now handles padding: update this test and docs/model.md"
         )
         torch.testing.assert_close(unpadded_trace(batch(20, 2)), features(model, batch(20, 2)), atol=1e-5, rtol=1e-5)
         with pytest.raises(Exception) as error:

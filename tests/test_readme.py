@@ -1,0 +1,230 @@
+"""README.md is the front door: every command in its ```bash blocks runs as written (at least
+with --help), every flag it passes exists, it stays short, and its install line and test command
+are the ones CI (.ci/run) runs."""
+
+import functools
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
+MODEL_DOC = REPO / "docs" / "model.md"
+CI = REPO / ".ci" / "run"
+MAX_README_BYTES = 15 * 1024
+
+# what a command may invoke from the repository (as `python X`, `bash X`, `sbatch ... X` or X)
+REPO_SCRIPT = re.compile(r"(scripts/[\w/-]+\.(py|sh)|scripts/slurm/\w+\.sbatch|studies/[\w/.-]+|data-prep/\w+\.sh)")
+FAIRSEQ = ("fairseq-train", "fairseq-hydra-train", "fairseq-preprocess")
+# fairseq-train's options that decide which options exist (the plugin's, the task's, ...): kept
+# in front of --help, since fairseq-train --help knows only what they add
+FAIRSEQ_SELECTORS = ("--user-dir", "--arch", "--task", "--criterion", "--optimizer", "--lr-scheduler", "--bpe")
+# fairseq-train --help prints its parser before the plugin's and the task's options are added;
+# this builds the whole parser from the command as written (as fairseq-train does), refuses
+# unknown arguments, and prints the help of every option
+FAIRSEQ_TRAIN_PARSE = """
+import sys
+from fairseq import options
+parser = options.get_training_parser()
+args, extra = options.parse_args_and_arch(parser, input_args=sys.argv[1:], parse_known=True)
+if extra:
+    sys.exit(f"fairseq-train does not know {extra}")
+print(parser.format_help())
+"""
+SEPARATORS = {"&&", "||", ";", "|"}
+ENV_ASSIGNMENT = re.compile(r"[A-Za-z_]\w*=")
+# the venv's entry points (fairseq-train) and its Python for the shell wrappers
+ENV = dict(
+    os.environ,
+    PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    PYTHON=sys.executable,
+    OMP_NUM_THREADS="1",
+)
+
+
+def readme_text():
+    return README.read_text(encoding="utf-8")
+
+
+def bash_blocks(text):
+    return re.findall(r"^```bash\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+
+
+def split_commands(block):
+    """The commands of a bash block, as token lists: continuation lines joined, comments
+    dropped, `a && b` split into two."""
+    for line in block.replace("\\\n", " ").splitlines():
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        command = []
+        for token in lexer:
+            if token in SEPARATORS:
+                yield command
+                command = []
+            else:
+                command.append(token)
+        yield command
+
+
+def readme_commands():
+    return [command for block in bash_blocks(readme_text()) for command in split_commands(block) if command]
+
+
+def invocation(tokens):
+    """(what to run for --help, the repository file it runs or None, the arguments the README
+    passes it) for a command that runs a repository script or a fairseq entry point, else None."""
+    while tokens and ENV_ASSIGNMENT.match(tokens[0]):
+        tokens = tokens[1:]
+    if not tokens:
+        return None
+    program, rest = tokens[0], tokens[1:]
+    if program in FAIRSEQ:
+        return [program], None, rest
+    if program in ("python", "python3", "bash"):
+        if not rest or not REPO_SCRIPT.fullmatch(rest[0]):
+            return None  # python -m pytest, python -c ...
+        runner = [sys.executable] if program != "bash" else ["bash"]
+        return [*runner, rest[0]], rest[0], rest[1:]
+    if program == "sbatch":  # sbatch's own options come before the script
+        at = next(i for i, token in enumerate(rest) if REPO_SCRIPT.fullmatch(token))
+        return [rest[at]], rest[at], rest[at + 1 :]
+    if REPO_SCRIPT.fullmatch(program):
+        return [program], program, rest
+    return None
+
+
+def checked_commands():
+    return [(tokens, found) for tokens in readme_commands() if (found := invocation(tokens))]
+
+
+def command_id(tokens):
+    return " ".join(tokens[:3])[:60]
+
+
+@functools.cache
+def run_help(argv):
+    """Exit status and output of argv (a tuple), run from the repository root."""
+    result = subprocess.run(argv, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    return result.returncode, result.stdout + result.stderr
+
+
+def help_argv(run, args):
+    """run + --help; a first bare word (`spm.sh train`, `finetune.sh sst_2`) stays in front,
+    since a subcommand's options are in its own help; fairseq-train keeps the options that
+    decide which options it has."""
+    if run[0] == "fairseq-train":
+        kept = [
+            token for option, value in zip(args, args[1:]) if option in FAIRSEQ_SELECTORS for token in (option, value)
+        ]
+        return (*run, *kept, "--help")
+    subcommand = args[:1] if args and re.fullmatch(r"[a-z][a-z0-9_]*", args[0]) else []
+    return (*run, *subcommand, "--help")
+
+
+def flags(args):
+    return sorted({token.split("=", 1)[0] for token in args if token.startswith("--")})
+
+
+def has_flag(flag, text):
+    return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text) is not None
+
+
+COMMANDS = checked_commands()
+
+
+def test_readme_is_short():
+    size = len(README.read_bytes())
+    assert size <= MAX_README_BYTES, f"README.md is {size} bytes; the front door stays under {MAX_README_BYTES}"
+
+
+def test_readme_has_no_machine_paths():
+    """Commands use the repository's relative paths (work/..., OUT), not one machine's folders."""
+    found = re.findall(r"(?<![\w.~-])/(?:work|root|home|tmp|mnt|scratch)/\S*", readme_text())
+    assert not found, found
+
+
+def test_readme_install_and_test_lines_are_what_ci_runs():
+    """The README's install line, split at &&, is .ci/run's install steps in order, and CI runs the
+    README's test command, adding only options that change what it prints."""
+    commands = [" ".join(tokens) for tokens in readme_commands()]
+    ci_lines = [line.strip() for line in CI.read_text(encoding="utf-8").splitlines()]
+
+    readme_install = next(
+        line
+        for block in bash_blocks(readme_text())
+        for line in block.splitlines()
+        if line.startswith("pip install torch")
+    )
+    ci_install = [line for line in ci_lines if re.match(r"pip (install|uninstall) ", line)]
+    assert [step.strip() for step in readme_install.split("&&")] == ci_install
+
+    readme_test = [command for command in commands if command.startswith("python -m pytest")]
+    assert readme_test == ["python -m pytest -n auto --dist loadfile"], readme_test
+    ci_test = [line for line in ci_lines if line.startswith("python -m pytest")]
+    assert len(ci_test) == 1, ci_test
+    assert ci_test[0].startswith(readme_test[0] + " "), ci_test[0]
+    extra = ci_test[0][len(readme_test[0]) :]
+    assert re.fullmatch(r"( -q| -p no:cacheprovider| --durations=\d+)*", extra), f"CI adds {extra!r}"
+
+    assert "bash scripts/quickstart.sh" in commands
+
+
+def test_readme_names_repository_commands():
+    """The parser finds the commands (a README that lost its code blocks would pass vacuously)."""
+    scripts = {found[1] for _, found in COMMANDS if found[1]}
+    assert {"scripts/quickstart.sh", "scripts/pretrain.sh", "scripts/finetune.sh"} <= scripts, scripts
+    assert any(found[0] == ["fairseq-train"] for _, found in COMMANDS)
+
+
+@pytest.mark.slow(minutes=1)
+@pytest.mark.parametrize(("tokens", "found"), COMMANDS, ids=[command_id(tokens) for tokens, _ in COMMANDS])
+def test_readme_command_runs_with_help(tokens, found):
+    run, script, args = found
+    if script is not None:
+        path = REPO / script
+        assert path.is_file(), f"{script} (README: {' '.join(tokens)}) does not exist"
+        if run[0] == script:
+            assert os.access(path, os.X_OK), f"{script} is run directly in the README but is not executable"
+    status, output = run_help(help_argv(run, args))
+    assert status == 0, f"{' '.join(help_argv(run, args))} exited {status}:\n{output[-3000:]}"
+    if run[0] == "fairseq-train":
+        status, output = run_help((sys.executable, "-c", FAIRSEQ_TRAIN_PARSE, *args))
+        assert status == 0, f"fairseq-train does not take the README's arguments:\n{output[-3000:]}"
+    missing = [flag for flag in flags(args) if not has_flag(flag, output)]
+    assert not missing, f"{' '.join(help_argv(run, args))} does not list {missing} (README: {' '.join(tokens)})"
+
+
+@pytest.mark.slow(minutes=1)
+def test_model_doc_flags_exist():
+    """Every flag docs/model.md's flag tables name is one fairseq-train takes for the model."""
+    text = MODEL_DOC.read_text(encoding="utf-8")
+    tables = text.split("## Every model flag", 1)[1].split("\n## ", 1)[0]
+    named = sorted(
+        {
+            flag
+            for row in tables.splitlines()
+            if row.startswith("| `--")
+            for flag in re.findall(r"`(--[\w-]+)", row.split("|")[1])
+        }
+    )
+    assert len(named) >= 30, named
+    status, output = run_help(
+        (
+            sys.executable,
+            "-c",
+            FAIRSEQ_TRAIN_PARSE,
+            "DATA",
+            "--user-dir",
+            "linformer_fairseq",
+            "--arch",
+            "linformer_roberta_base",
+        )
+    )
+    assert status == 0, output[-3000:]
+    missing = [flag for flag in named if not has_flag(flag, output)]
+    assert not missing, f"docs/model.md names flags the model does not have: {missing}"

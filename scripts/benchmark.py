@@ -47,6 +47,7 @@ def get_parser():
     arg("--lengths", type=positive, default=[2**i for i in range(9, 17)], help="sequence lengths n, comma-separated")
     arg("--ks", type=positive, default=list(PAPER_KS), help="projected lengths k; only k < n runs")
     arg("--ffn-chunk-size", type=int_list, default=[0], help="one Linformer per value; 0: no chunking")
+    arg("--local-windows", type=int_list, default=[0], help="one Linformer per value: its local band W; 0: none")
     arg("--compress-sharing", default="layerwise", choices=["none", "headwise", "kv", "layerwise"], help="Linformer's")
     arg("--compress-type", default="linear", choices=["linear", "mean", "max", "conv"], help="Linformer's")
     arg("--baselines", default="fused,explicit", help="RoBERTa baselines, from fused,explicit")
@@ -83,7 +84,8 @@ def build_point_model(spec):
     if spec["model"] == "linformer":
         flags += (
             f" --compressed-dim {spec['k']} --compress-sharing {spec['compress_sharing']} "
-            f"--compress-type {spec['compress_type']} --ffn-chunk-size {spec['ffn_chunk']}"
+            f"--compress-type {spec['compress_type']} --ffn-chunk-size {spec['ffn_chunk']} "
+            f"--local-window {spec['local_window']}"
         )
     elif spec["model"] == "original":  # its flags: k = n // compressed; sharing by two switches
         user_dir = spec["baseline_user_dir"]
@@ -182,7 +184,9 @@ def run_worker(spec):
 
 # ---------------------------------------------------------------- the grid
 # flags that shape the grid or its running, not the points: every other flag is a setting all points share
-GRID_FLAGS = set("lengths ks ffn_chunk_size baselines memory_limit_gb timeout out_dir resume worker".split())
+GRID_FLAGS = set(
+    "lengths ks ffn_chunk_size local_windows baselines memory_limit_gb timeout out_dir resume worker".split()
+)
 
 
 def make_grid(args):
@@ -190,12 +194,15 @@ def make_grid(args):
     specs = []
     for n in sorted(set(args.lengths)):
         for b in args.baselines.split(","):
-            specs.append(dict(common, model=f"roberta-{b}", label=f"roberta-{b}", n=n, k=None, ffn_chunk=0))
-        for k, c in itertools.product([k for k in sorted(set(args.ks)) if k < n], args.ffn_chunk_size):
-            name = f"linformer-k{k}" + (f"-chunk{c}" if c else "")
-            specs.append(dict(common, model="linformer", label=name, n=n, k=k, ffn_chunk=c))
-        for k in [k for k in sorted(set(args.ks)) if k < n] if args.baseline_user_dir else []:
-            specs.append(dict(common, model="original", label=f"original-k{k}", n=n, k=k, ffn_chunk=0))
+            specs.append(
+                dict(common, model=f"roberta-{b}", label=f"roberta-{b}", n=n, k=None, ffn_chunk=0, local_window=0)
+            )
+        ks = [k for k in sorted(set(args.ks)) if k < n]
+        for k, w, c in itertools.product(ks, sorted(set(args.local_windows)), args.ffn_chunk_size):
+            name = f"linformer-k{k}" + (f"-w{w}" if w else "") + (f"-chunk{c}" if c else "")
+            specs.append(dict(common, model="linformer", label=name, n=n, k=k, ffn_chunk=c, local_window=w))
+        for k in ks if args.baseline_user_dir else []:
+            specs.append(dict(common, model="original", label=f"original-k{k}", n=n, k=k, ffn_chunk=0, local_window=0))
     return specs
 
 
@@ -211,6 +218,8 @@ def check_args(args):
         if bad := [(n, k) for n in args.lengths for k in args.ks if k < n and n % k]:
             fail(f"--baseline-user-dir: the original example needs n divisible by k (k = n // compressed), got {bad}")
         args.baseline_user_dir = str(args.baseline_user_dir.resolve())
+    if bad := [w for w in args.local_windows if w % 2]:
+        fail(f"--local-windows: a band is W/2 neighbours on each side, so W must be even, got {bad}")
     if bad := set(args.baselines.split(",")) - set(BASELINES):
         fail(f"--baselines: unknown {sorted(bad)}; choose from {sorted(BASELINES)}")
     if (d := args.encoder_embed_dim) % (heads := args.encoder_attention_heads):

@@ -159,6 +159,7 @@ def hf_config(model, kind, args, head_name, labels, mask_token_id):
             compress_length_norm=length_norm(model, s.length_norm),
             compress_init=s.init,
             freeze_compress=s.freeze,
+            local_window=s.local_window,
             ffn_chunk_size=s.ffn_chunk_size,
         )
     else:

@@ -24,6 +24,9 @@ Projections (Linformer only), by ``--projections``:
             wider); pooling windows widen to n'/k; a conv kernel is resampled to the new width
             the same way. Outputs on short inputs change.
 
+``--local-window W`` gives a Linformer an exact local band of W neighbours beside its projections
+(its far-field offsets start at 0, or keep the checkpoint's), at n or at n'.
+
 ``--compress-length-norm MODE`` also switches a Linformer's linear projections to another
 length handling (what an input shorter than n' does with E) before any extension; without
 ``--max-positions`` that is all it does: ``exact`` on a model distilled under ``resample``
@@ -133,6 +136,21 @@ def switch_length_norm(model, ns, mode: str):
     ns.compress_length_norm = mode
 
 
+def with_local_window(model, ns, window: int | None, vocab: int):
+    """``model`` rebuilt with a local band of ``window`` (None: as it is), ``ns`` set to match."""
+    if window is None:
+        return model
+    ns.local_window = window
+    banded = checkpoints.build_model(ns, vocab)
+    weights = model.state_dict()
+    if not window:
+        weights = {key: value for key, value in weights.items() if not key.endswith(".local_far_bias")}
+    missing = checkpoints.load_weights(banded, weights)
+    if missing:
+        fail(f"cannot map the weights onto the model with a band: missing {', '.join(missing[:5])}")
+    return banded
+
+
 def extend(state, kind: str, args):
     """(new model, its namespace, original model, n): the original with --compress-length-norm's
     length handling, extended to --max-positions when that is not n."""
@@ -141,7 +159,10 @@ def extend(state, kind: str, args):
     args.max_positions = args.max_positions or n
     if args.compress_length_norm and kind != "linformer":
         fail(f"--compress-length-norm applies to Linformer checkpoints, not a {kind}")
-    if args.max_positions == n and not args.compress_length_norm or args.max_positions < n and kind != "roberta":
+    if args.local_window is not None and kind != "linformer":
+        fail(f"--local-window applies to Linformer checkpoints, not a {kind}")
+    switches = args.compress_length_norm or args.local_window is not None
+    if args.max_positions == n and not switches or args.max_positions < n and kind != "roberta":
         longer = "larger than" if kind != "roberta" else "other than"
         fail(f"--max-positions {args.max_positions} must be {longer} the checkpoint's n={n}")
     if kind == "roberta" and args.compressed_dim:
@@ -156,14 +177,18 @@ def extend(state, kind: str, args):
         source = copy.deepcopy(old)
         switch_length_norm(source, ns, args.compress_length_norm)
     if args.max_positions == n:
-        return source, ns, old, n
+        return with_local_window(source, ns, args.local_window, vocab), ns, old, n
     dims = None
     if kind == "linformer":
         dims = new_compressed_dims(source, n, args.max_positions, args.projections, args.compressed_dim)
     new_ns = extended_namespace(ns, kind, args.max_positions, dims)
+    if args.local_window is not None:
+        new_ns.local_window = args.local_window
     new = checkpoints.build_model(new_ns, vocab)
 
     weights = source.state_dict()
+    if args.local_window == 0:  # the band's far-field offsets go with it
+        weights = {key: value for key, value in weights.items() if not key.endswith(".local_far_bias")}
     positions = source.encoder.sentence_encoder.embed_positions
     weights[checkpoints.POSITIONS_KEY] = periodic_positions(
         positions.weight.detach(), positions.padding_idx + 1, args.max_positions
@@ -193,6 +218,12 @@ def parse_args(argv=None):
         help="switch the Linformer's linear projections to this length handling (linformer_roberta.py --help)",
     )
     parser.add_argument(
+        "--local-window",
+        type=int,
+        help="give the Linformer an exact local band of this many neighbours (even; 0 removes one; "
+        "linformer_roberta.py --help)",
+    )
+    parser.add_argument(
         "--projections",
         choices=("periodic", "stretch"),
         default="periodic",
@@ -208,8 +239,10 @@ def parse_args(argv=None):
     parser.add_argument("--report-json", help="also write the losses and the continuation command to this JSON file")
     checkpoints.add_continuation_args(parser)
     args = parser.parse_args(argv)
-    if args.max_positions is None and not args.compress_length_norm:
-        parser.error("nothing to do: give --max-positions, --compress-length-norm or both")
+    if args.max_positions is None and not args.compress_length_norm and args.local_window is None:
+        parser.error("nothing to do: give --max-positions, --compress-length-norm, --local-window or several")
+    if args.local_window is not None and (args.local_window < 0 or args.local_window % 2):
+        parser.error(f"--local-window must be an even number >= 0, got {args.local_window}")
     if args.max_positions is not None and args.max_positions < 1 or args.compressed_dim < 0:
         parser.error("--max-positions must be >= 1 and --compressed-dim >= 0")
     checkpoints.check_continuation_args(parser, args)
@@ -231,6 +264,7 @@ def main(argv=None):
     note["compress_length_norm"] = args.compress_length_norm
     checkpoints.write_checkpoint(state, ns, model, args.output, note, max_positions=(n, args.max_positions))
     switched = f"; compress length norm {args.compress_length_norm}" if args.compress_length_norm else ""
+    switched += f"; local window {args.local_window}" if args.local_window is not None else ""
     if args.max_positions == n:
         names = {v: k for k, v in LENGTH_NORM_POWERS.items()}
         was = {names[m.length_power] for m in old.modules() if isinstance(m, SequenceProjection) and m.kind == "linear"}

@@ -245,7 +245,9 @@ def show(name, fid):
 
 
 def projection_parameters(module):
-    return [p for name, p in module.named_parameters() if ".compress_" in f".{name}" or name.startswith("compress_")]
+    """E/F, and with a local band the far field's per-head offsets: what the transfer fits."""
+    far = (".compress_", ".local_far_bias")
+    return [p for name, p in module.named_parameters() if any(part in f".{name}" for part in far)]
 
 
 def head_outputs(attention, **kwargs):
@@ -412,6 +414,9 @@ def parse_args(argv=None):
     parser.add_argument("--compress-length-norm", choices=tuple(LENGTH_NORM_POWERS), default="exact",
                         help="linear projections on inputs shorter than N (default: exact, the best finetuned in "
                              "docs/linearize.md: at most K tokens are read with softmax attention)")  # fmt: skip
+    parser.add_argument("--local-window", type=int, default=0,
+                        help="W: an exact local band of W neighbours beside the projection in every layer; the "
+                             "transfer and distillation then fit E/F to what the band leaves (default: 0)")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="folder of the run (a rerun resumes it)")
     g = parser.add_argument_group("attention transfer (stage 1)")
     g.add_argument("--transfer-steps", type=int, default=100, help="Adam steps per layer (default: 100; 0 skips)")
@@ -460,6 +465,8 @@ def parse_args(argv=None):
         parser.error(f"{args.hf_dir}: no such folder")
     if not 0 < args.k <= args.max_positions:
         parser.error(f"--k {args.k} must be in 1..--max-positions ({args.max_positions})")
+    if args.local_window < 0 or args.local_window % 2:
+        parser.error(f"--local-window must be an even number >= 0, got {args.local_window}")
     if args.min_tokens and not args.documents:
         parser.error("--min-tokens needs --documents (blocks of running text are all N tokens long)")
     if not 0 <= args.min_tokens <= args.max_positions:
@@ -511,7 +518,7 @@ def main(argv=None):
                "--compress-type", args.compress_type, "--compress-length-norm", args.compress_length_norm]  # fmt: skip
     if args.compress_type == "linear":
         convert += ["--init", args.init]
-    convert += ["--key-scale", args.key_scale]
+    convert += ["--key-scale", args.key_scale, "--local-window", args.local_window]
     if args.layer_compressed_dims:
         convert += ["--layer-compressed-dims", args.layer_compressed_dims]
     step(convert, out / "converted.pt", "conversion")

@@ -14,7 +14,8 @@ Runs (each a linearize.py folder under OUT/runs, resumable; --runs picks some, -
     spectrum at a mean of 128 (in every layer, or in layers 1-5 with the last at 128); then a
     grid at k = 128 with a shorter distillation (--grid-steps, its own k = 128 reference among
     them): subsample init; mean pooling; convolution; kv and layerwise sharing; no key scale
-    (--key-scale 1), also with the full distillation
+    (--key-scale 1), also with the full distillation; an exact local band beside the projection
+    (--local-window W): W = 32, 64, 128 at k = 128, and W = 64 at k = 64
   short inputs, n = 128 (STS-B dev zero-shot, mean pooling, against the teacher at n = 128):
     k = 8, 16, 32 with each way of handling inputs shorter than n at k = 16 (slice: the first T
     columns of E; length norm linear; resample; mean pooling); remedies at k = 16 (direct: no
@@ -98,6 +99,9 @@ RUNS["n128-spectrum-k16.5-exact"] = (SHORT, ["--k", "16", "--compress-length-nor
 # masked), untrained: the original's attention exactly, on inputs of any length, in the Linformer's code
 RUNS["n128-full-attention"] = (SHORT, ["--k", "128", "--compress-type", "mean", "--transfer-steps", "0",
                                        "--distill-steps", "0"])  # fmt: skip
+# an exact local band of W neighbours beside the projection (--local-window), against n512-k128-noscale (W = 0)
+for k, window in ((128, 32), (128, 64), (128, 128), (64, 64)):
+    RUNS[f"n512-k{k}-w{window}"] = (LONG, ["--k", str(k), "--key-scale", "1", "--local-window", str(window)])
 SPECTRUM_LENGTHS = (128, 256, 512)
 SHORT_RUNS = [name for name, (n, _) in RUNS.items() if n == SHORT]
 # where the finetuned gap comes from: a run finetuned from another of its stages, or with other

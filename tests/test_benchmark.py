@@ -29,6 +29,7 @@ TINY_SPEC = dict(
     n=32,
     k=8,
     ffn_chunk=0,
+    local_window=0,
     compress_sharing="headwise",
     compress_type="linear",
     checkpoint_activations=False,
@@ -98,6 +99,26 @@ def test_flop_formula_matches_torch_flop_counter_on_built_model(model, tmp_path)
     with torch.inference_mode(), FlopCounterMode(display=False, custom_mapping=CPU_SDPA) as counter:
         built.eval()(torch.full((1, n), 4), features_only=True)
     assert counter.get_total_flops() == expected
+
+
+@pytest.mark.parametrize("sharing", ["headwise", "none"])
+def test_flops_of_a_local_band_are_its_ideal_plus_the_blocks_overlap(sharing, tmp_path):
+    """The ideal counts W keys a query (4 n W d a layer) and the maps of every position's keys and values
+    (4 n d^2, made anyway under sharing none); the blockwise band reads b + 2 * (W/2) keys a query
+    (blocks of b = W/2): torch's count is the ideal plus that overlap."""
+    n, d, f, heads, layers, k, window = 64, 32, 48, 4, 2, 16, 8
+    models.write_dict(tmp_path, ["w"])
+    flags = f"--encoder-layers {layers} --encoder-embed-dim {d} --encoder-ffn-embed-dim {f} --encoder-attention-heads "
+    flags += f"{heads} --max-positions {n} --compressed-dim {k} --compress-sharing {sharing} --local-window {window}"
+    built, _ = models.build_model("linformer_roberta_base", flags.split(), tmp_path)
+    with torch.inference_mode(), FlopCounterMode(display=False, custom_mapping=CPU_SDPA) as counter:
+        built.eval()(torch.full((1, n), 4), features_only=True)
+    ideal = encoder_flops(n, d, f, layers, k, sharing, "linear", window=window)
+    without = encoder_flops(n, d, f, layers, k, sharing, "linear")
+    maps = 4 * n * d * d if sharing != "none" else 0
+    assert ideal - without == layers * (4 * n * window * d + maps)
+    read = window // 2 + 2 * (window // 2)  # keys a query's block reads
+    assert counter.get_total_flops() == ideal + layers * 4 * n * (read - window) * d
 
 
 # fairseq's original Linformer example, which the fairseq package installs with its examples

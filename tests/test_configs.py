@@ -99,15 +99,19 @@ def test_pretraining_config_builds_its_model(name, data):
         assert all(type(a) is MultiheadAttention for a in attentions)
         return
     k = int(re.search(r"_k(\d+)", name).group(1))
-    sharing = name.rsplit("_", 1)[1] if name.count("_") == 3 else "headwise"
-    assert all(isinstance(a, LinformerMultiheadAttention) for a in attentions)
-    x = torch.randn(n, 1, cfg.model.encoder_embed_dim)
-    _, weights = attentions[0](query=x, key=x, value=x, need_weights=True, need_head_weights=True)
-    assert weights.shape == (HEADS, 1, n, k)  # P-bar: n x k per head
-    # the projections E (and F) are k x n matrices; how many exist is the sharing level
+    window = int(re.search(r"_w(\d+)", name).group(1)) if "_w" in name else 0  # linformer_nN_kK[_SHARING][_wW]
+    sharing = next((part for part in name.split("_")[3:] if not part.startswith("w")), "headwise")
+    assert all(isinstance(a, LinformerMultiheadAttention) and a.local_window == window for a in attentions)
+    if not window:  # weights over the band and the rows together are not returned
+        x = torch.randn(n, 1, cfg.model.encoder_embed_dim)
+        _, weights = attentions[0](query=x, key=x, value=x, need_weights=True, need_head_weights=True)
+        assert weights.shape == (HEADS, 1, n, k)  # P-bar: n x k per head
+    # the projections E (and F) are k x n matrices; how many exist is the sharing level; a band adds
+    # one far-field offset per head
     cfg.model._name = "roberta"
     extra = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in build(cfg).parameters())
-    assert extra == {"headwise": 2 * LAYERS, "kv": LAYERS, "layerwise": 1}[sharing] * k * n
+    projections = {"headwise": 2 * LAYERS, "kv": LAYERS, "layerwise": 1}[sharing] * k * n
+    assert extra == projections + (LAYERS * HEADS if window else 0)
 
 
 @pytest.mark.parametrize("name", primaries(FINETUNING))

@@ -172,6 +172,9 @@ OPTIONS = {
     "legacy flags (--shared-layer-kv-compressed, --compressed)": ["--shared-layer-kv-compressed", "1",
                                                                   "--compressed", "8"],
     "feed-forward chunks": ["--compressed-dim", "16", "--ffn-chunk-size", "16"],
+    "local band, exact": ["--compressed-dim", "16", "--local-window", "8", "--compress-length-norm", "exact"],
+    "local band, layerwise conv": ["--compressed-dim", "16", "--local-window", "6", "--compress-type", "conv",
+                                   "--compress-sharing", "layerwise"],
 }  # fmt: skip
 
 
@@ -181,6 +184,7 @@ def test_per_layer_k_frozen_projections_and_other_options_export(name, spm_dir, 
     assert call(ckpt, "--out", tmp_path / "hf", "--no-tokenizer") == 0
     mlm = assert_same_as_hub(tmp_path / "hf", hub(ckpt, spm_dir, spm_dir), lines)
     config = mlm.config
+    assert config.local_window == (int(OPTIONS[name][3]) if "band" in name else 0)
     if "per-layer" in name:
         assert config.compressed_dims == [int(k) for k in OPTIONS[name][1].split(",")]
     if "legacy" in name:

@@ -425,8 +425,49 @@ def test_length_handling_is_switched_alone_or_before_the_extension(sources, corp
         assert call(extend, sources[source], tmp_path / "out.pt", "--compress-length-norm", "exact") == 2
         assert message in error_line(capsys)
     assert call(extend, resample, tmp_path / "out.pt") == 2
-    assert "nothing to do: give --max-positions, --compress-length-norm or both" in capsys.readouterr().err
+    assert "nothing to do: give --max-positions, --compress-length-norm, --local-window or several" in (
+        capsys.readouterr().err
+    )
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_local_band_is_added_kept_through_extension_and_removed(sources, corpus, tmp_path, capsys):
+    """--local-window on extend_max_positions.py: the same weights with a band (far-field offsets
+    at 0), which changes what a full block computes; --local-window 0 takes it away and gives the
+    original back exactly; extending the banded model to n' keeps the band and computes the same
+    on inputs of at most n tokens. The converter builds the band from a RoBERTa."""
+    resample = sources["linformer-linear-resample"]
+    banded, back, long_path = tmp_path / "band.pt", tmp_path / "back.pt", tmp_path / "long.pt"
+    assert call(extend, resample, banded, "--local-window", 8) == 0
+    assert "local window 8" in capsys.readouterr().out
+    before, after = (torch.load(path, weights_only=True) for path in (resample, banded))
+    assert after["cfg"]["model"].local_window == 8
+    offsets = {key for key in after["model"] if key.endswith("local_far_bias")}
+    assert len(offsets) == 2 and not any(after["model"][key].any() for key in offsets)
+    assert after["model"].keys() - offsets == before["model"].keys()
+
+    original, task = load(resample, corpus / "bin")
+    band, _ = load(banded, corpus / "bin")
+    block, sentences = valid_tokens(corpus, task, N), padded_sentences(task)
+    assert (features(band, block) - features(original, block)).abs().max() > 1e-3
+    assert call(extend, banded, back, "--local-window", 0) == 0
+    unbanded, _ = load(back, corpus / "bin")
+    for tokens in (block, sentences):
+        torch.testing.assert_close(features(unbanded, tokens), features(original, tokens), atol=0, rtol=0)
+
+    assert call(extend, banded, long_path, "--max-positions", 2 * N) == 0
+    assert torch.load(long_path, weights_only=True)["cfg"]["model"].local_window == 8
+    extended, _ = load(long_path, corpus / "bin")
+    for tokens in (block, sentences):
+        torch.testing.assert_close(features(extended, tokens), features(band, tokens), atol=1e-5, rtol=0)
+
+    converted = tmp_path / "converted.pt"
+    assert call(convert, sources["roberta"], converted, "--compressed-dim", 8, "--local-window", 8) == 0
+    assert torch.load(converted, weights_only=True)["cfg"]["model"].local_window == 8
+    assert call(extend, sources["roberta"], tmp_path / "out.pt", "--local-window", 8) == 2
+    assert "--local-window applies to Linformer checkpoints, not a roberta" in error_line(capsys)
+    assert call(extend, resample, tmp_path / "out.pt", "--local-window", 5) == 2
+    assert "--local-window must be an even number >= 0, got 5" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- hub interface

@@ -42,6 +42,8 @@ class LinformerConfig(PretrainedConfig):
             projections do with inputs shorter than n (`--compress-length-norm`).
         compress_init (`str`): normal, xavier or mean: the init of new linear projections (`--compress-init`).
         freeze_compress (`bool`): the projections are not trained (`--freeze-compress 1`).
+        local_window (`int`): W, the exact local band each query reads beside the projected rows
+            (`--local-window`; 0: none).
         ffn_chunk_size (`int`): in inference, run each feed-forward block over this many positions at a
             time (0: off); same outputs.
         initializer_range (`float`): std of the normal init of new weights (a new classification head).
@@ -81,6 +83,7 @@ class LinformerConfig(PretrainedConfig):
         compress_length_norm="linear",
         compress_init="normal",
         freeze_compress=False,
+        local_window=0,
         ffn_chunk_size=0,
         initializer_range=0.02,
         pad_token_id=1,
@@ -121,6 +124,7 @@ class LinformerConfig(PretrainedConfig):
         self.compress_length_norm = compress_length_norm
         self.compress_init = compress_init
         self.freeze_compress = bool(freeze_compress)
+        self.local_window = int(local_window)
         self.ffn_chunk_size = ffn_chunk_size
         self.initializer_range = initializer_range
         self.unk_token_id = unk_token_id

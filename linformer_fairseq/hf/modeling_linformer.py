@@ -68,6 +68,7 @@ def linformer_settings(config: LinformerConfig) -> LinformerSettings:
         init=config.compress_init,
         freeze=config.freeze_compress,
         ffn_chunk_size=config.ffn_chunk_size,
+        local_window=getattr(config, "local_window", 0),  # folders exported before the band have none
     )
 
 

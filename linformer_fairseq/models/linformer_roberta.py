@@ -129,6 +129,14 @@ class LinformerRobertaConfig(FairseqDataclass):
             "finetuned mostly on inputs read exactly also learns the projected reading longer inputs get"
         },
     )
+    local_window: int = field(
+        default=0,
+        metadata={
+            "help": "W: every query also attends, in the same softmax as the k projected rows, to the exact keys "
+            "and values of the W/2 positions on each side of it (even; 0: off, the paper's Linformer). Costs "
+            "O(n (W + k)); sentences that exact reads as their own rows get no band"
+        },
+    )
     freeze_compress: int = field(default=0, metadata={"help": "1: freeze the projection parameters"})
     shared_kv_compressed: int = field(default=0, metadata={"help": "legacy: 1 means --compress-sharing kv"})
     shared_layer_kv_compressed: int = field(

@@ -1,5 +1,7 @@
 """Linformer self-attention (Wang et al. 2020): keys and values are projected along the
 sequence axis from n positions to k rows before attention, so attention costs O(n k).
+With a local window W (``--local-window``), every query also reads the exact keys and values
+of its W nearest positions, in the same softmax as the k rows: O(n (W + k)).
 
 Shapes follow fairseq: activations are ``T x B x C`` (time, batch, channels), padding masks
 are ``B x T`` with True at pad positions. Padding must be on the right (fairseq's
@@ -43,6 +45,7 @@ class LinformerSettings:
     freeze: bool = False
     ffn_chunk_size: int = 0
     resample_prob: float = 0.0
+    local_window: int = 0
 
     def __post_init__(self):
         for name, value, choices in (
@@ -63,6 +66,10 @@ class LinformerSettings:
                 raise ValueError(f"--compress-type {self.kind} needs max_positions ({n}) divisible by k ({k})")
         if self.ffn_chunk_size < 0:
             raise ValueError(f"--ffn-chunk-size must be >= 0, got {self.ffn_chunk_size}")
+        if self.local_window < 0 or self.local_window % 2:
+            raise ValueError(
+                f"--local-window must be an even number >= 0 (W/2 neighbours on each side), got {self.local_window}"
+            )
         if not 0.0 <= self.resample_prob <= 1.0:
             raise ValueError(f"--compress-resample-prob must be in [0, 1], got {self.resample_prob}")
         if self.resample_prob and (self.kind, self.length_norm) != ("linear", "exact"):
@@ -107,6 +114,7 @@ class LinformerSettings:
             freeze=bool(args.freeze_compress),
             ffn_chunk_size=args.ffn_chunk_size,
             resample_prob=float(getattr(args, "compress_resample_prob", 0.0)),  # older configs lack it
+            local_window=int(getattr(args, "local_window", 0)),
         )
 
 
@@ -230,23 +238,44 @@ class SequenceProjection(nn.Module):
         k, the rest masked: pads are at the end, as ``_resampled`` also assumes); longer ones,
         and in training those ``read_projected`` marks, are resampled to k rows."""
         T, B, _ = x.shape
-        drawn = self.read_projected if self.training else None
         real = None if pad_mask is None else ~pad_mask
-        if T <= self.k and drawn is None:
+        if self.reads_all_exactly(T):
             return x, real
         projected = self._linear(x, pad_mask, weight)
         if real is None and T > self.k:  # every sentence is longer than k
             return projected, None
         if real is None:
             real = x.new_ones(B, T, dtype=torch.bool)
-        exact = real.sum(1) <= self.k  # no `if exact.any()`: on a GPU it would wait for the device
-        if drawn is not None:
-            assert drawn.shape == (B,), f"read_projected: one flag a sentence ({B}), got {tuple(drawn.shape)}"
-            exact &= ~drawn
+        exact = self.reads_exactly(pad_mask, T, B, x.device)
         rows, kept = x[: self.k], real[:, : self.k]
         if T < self.k:  # only with read_projected: the exact rows padded (and masked) to the projection's k
             rows, kept = F.pad(rows, (0, 0, 0, 0, 0, self.k - T)), F.pad(kept, (0, self.k - T), value=False)
         return torch.where(exact.view(1, B, 1), rows, projected), torch.where(exact.unsqueeze(1), kept, True)
+
+    def reads_all_exactly(self, T: int) -> bool:
+        """Whether every sentence of a ``T``-long batch is read as its own rows (``exact``, T <= k)."""
+        drawn = self.read_projected if self.training else None
+        return self.kind == "linear" and self.length_power == EXACT and T <= self.k and drawn is None
+
+    def reads_exactly(self, pad_mask: Tensor | None, T: int, B: int, device) -> Tensor | None:
+        """``B`` bools, True for the sentences read as their own rows (``exact``: at most k real
+        tokens, and in training not marked by ``read_projected``); None for other projections."""
+        if not (self.kind == "linear" and self.length_power == EXACT):
+            return None
+        exact = sentence_lengths(pad_mask, T, B, device) <= self.k  # no `if exact.any()`: on a GPU it would wait
+        drawn = self.read_projected if self.training else None
+        if drawn is not None:
+            assert drawn.shape == (B,), f"read_projected: one flag a sentence ({B}), got {tuple(drawn.shape)}"
+            exact &= ~drawn
+        return exact
+
+    def tokens_per_row(self, pad_mask: Tensor | None, T: int, B: int, device) -> Tensor | float:
+        """How many tokens each projected row stands for: n/k, or for ``resample`` / ``exact``,
+        which stretch E over each sentence, L/k of a sentence of L tokens (``B``; at least 1:
+        an exact sentence's rows are its tokens)."""
+        if self.kind == "linear" and self.length_power in (RESAMPLE, EXACT):
+            return (sentence_lengths(pad_mask, T, B, device).float() / self.k).clamp(min=1.0)
+        return self.max_positions / self.k
 
     def _linear(self, x: Tensor, pad_mask: Tensor | None, weight: Tensor) -> Tensor:
         T, B, C = x.shape
@@ -336,6 +365,13 @@ class LinformerMultiheadAttention(nn.Module):
     commute with the maps, so under ``none`` it pools ``X W_i^K`` (a different operator from the
     other levels). Mean and max pooling have no parameters, so headwise, kv and layerwise give
     the same model with them (and, for mean, so does none).
+
+    With ``local_window`` W > 0 every query also reads, in the same softmax, the exact keys and
+    values of the positions within W/2 of it (``attend_local_and_projected``): a banded attention
+    matrix has full rank, so no k x n projection can follow a head that looks at its neighbours.
+    Each projected row's logit gets log(tokens it stands for) plus a learned per-head offset
+    ``local_far_bias`` (initialised to 0), which sets the far field's weight against the band. A
+    sentence the projection reads exactly (``exact``, at most k tokens) needs no band and gets none.
     """
 
     def __init__(
@@ -374,25 +410,43 @@ class LinformerMultiheadAttention(nn.Module):
         if settings.freeze:
             for p in self.compress_parameters():
                 p.requires_grad_(False)
+        self.local_window = settings.local_window
+        if self.local_window:
+            self.local_far_bias = nn.Parameter(torch.zeros(num_heads))
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        if self.local_window:  # a checkpoint trained without the band: the far field's offset starts at 0
+            state_dict.setdefault(prefix + "local_far_bias", torch.zeros(self.num_heads))
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def compress_parameters(self):
         return [m.weight for m in (self.compress_k, self.compress_v) if m is not None and m.weight is not None]
 
-    def project_keys_values(self, x: Tensor, pad_mask: Tensor | None):
+    def key_value_maps(self, x: Tensor, pad_mask: Tensor | None) -> Tensor:
+        """[X W_K, X W_V] of every position, bias-free, as one GEMM: ``T x B x 2C``, zero at pads."""
+        if pad_mask is not None:
+            x = x.masked_fill(pad_mask.t().unsqueeze(-1), 0.0)
+        return F.linear(x, torch.cat([self.k_proj.weight, self.v_proj.weight]))
+
+    def project_keys_values(self, x: Tensor, pad_mask: Tensor | None, maps: Tensor | None = None):
         """Projected keys and values, ``k' x B x C`` each, and the ``B x k'`` row mask.
 
         Under ``none``, W_K and W_V run as one GEMM, then every head's E_i and F_i as one batched
-        product over the 2H heads of [X W_K, X W_V]. Headwise E and F stay two GEMMs: stacked
-        into one they trained no faster at n = 512 or 2048 (docs/benchmarks.md, "Against
-        fairseq's original example")."""
-        if pad_mask is not None:  # pads then contribute nothing to E X (nor to X W, bias-free)
-            x = x.masked_fill(pad_mask.t().unsqueeze(-1), 0.0)
+        product over the 2H heads of [X W_K, X W_V] (``maps``, when the caller has them).
+        Headwise E and F stay two GEMMs: stacked into one they trained no faster at n = 512 or
+        2048 (docs/benchmarks.md, "Against fairseq's original example")."""
         E, Fv = self.compress_k.weight, None if self.compress_v is None else self.compress_v.weight
-        if self.compress_sharing == "none":
-            kv = F.linear(x, torch.cat([self.k_proj.weight, self.v_proj.weight]))
+        if self.compress_sharing == "none":  # pads contribute nothing to E (X W), bias-free
+            kv = self.key_value_maps(x, pad_mask) if maps is None else maps
             both, kept = self.compress_k(kv, pad_mask, None if E is None else torch.cat([E, Fv]))
             k, v = both.split(self.embed_dim, dim=-1)
             return k + self.k_proj.bias, v + self.v_proj.bias, kept
+        if pad_mask is not None:  # pads then contribute nothing to E X
+            x = x.masked_fill(pad_mask.t().unsqueeze(-1), 0.0)
         xk, kept = self.compress_k(x, pad_mask)
         if self.compress_v is None or Fv is None:  # E = F, or pooling: one projection for both
             return self.k_proj(xk), self.v_proj(xk), kept
@@ -428,7 +482,11 @@ class LinformerMultiheadAttention(nn.Module):
         assert C == self.embed_dim, f"expected {self.embed_dim} channels, got {C}"
         H, D = self.num_heads, self.head_dim
 
-        k, v, kept = self.project_keys_values(query, key_padding_mask)
+        band = self.local_window and not self.compress_k.reads_all_exactly(T)
+        maps = None
+        if band and self.compress_sharing == "none":  # the band's keys and values are made there anyway
+            maps = self.key_value_maps(query, key_padding_mask)
+        k, v, kept = self.project_keys_values(query, key_padding_mask, maps)
         rows = k.size(0)
         # B x H x len x D as views of the T x B x C layout (no copies here)
         q = self.q_proj(query).view(T, B, H, D).permute(1, 2, 0, 3)
@@ -436,9 +494,37 @@ class LinformerMultiheadAttention(nn.Module):
         v = v.view(rows, B, H, D).permute(1, 2, 0, 3)
         mask = kept.view(B, 1, 1, rows) if kept is not None else None
         dropout = self.dropout if self.training else 0.0
-        out, weights = attend(q, k, v, mask, dropout, need_weights, need_head_weights)
+        if band:
+            if need_weights or need_head_weights:
+                raise ValueError("attention weights are not returned with --local-window (they span band and rows)")
+            out = self.attend_with_band(query, key_padding_mask, maps, q, k, v, kept, dropout)
+            weights = None
+        else:
+            out, weights = attend(q, k, v, mask, dropout, need_weights, need_head_weights)
         out = out.permute(2, 0, 1, 3).reshape(T, B, C)
         return self.out_proj(out), weights
+
+    def attend_with_band(self, x: Tensor, pad_mask, maps, q, k_rows, v_rows, kept, dropout: float) -> Tensor:
+        """The queries ``q`` over the exact keys and values of x's own band (from ``maps``, bias-free
+        [X W_K, X W_V], when given) and the projected rows (``B x H x len x D``); returns ``B x H x T x D``."""
+        T, B, C = x.shape
+        H, D = self.num_heads, self.head_dim
+        if maps is None:
+            k, v = self.k_proj(x), self.v_proj(x)
+        else:  # made from x with zeros at pads, which the band never reads
+            k, v = maps[..., :C] + self.k_proj.bias, maps[..., C:] + self.v_proj.bias
+        k, v = (t.view(T, B, H, D).permute(1, 2, 0, 3) for t in (k, v))
+        key_real = None if pad_mask is None else ~pad_mask
+        exact = self.compress_k.reads_exactly(pad_mask, T, B, x.device)
+        if exact is not None:  # their rows are their own tokens already
+            band_on = (~exact).unsqueeze(1).expand(B, T)
+            key_real = band_on if key_real is None else key_real & band_on
+        count = self.compress_k.tokens_per_row(pad_mask, T, B, x.device)
+        wide = torch.promote_types(q.dtype, torch.float32)
+        count = torch.as_tensor(count, device=x.device, dtype=wide).log().reshape(-1, 1, 1, 1)
+        offset = (count + self.local_far_bias.to(wide).view(1, H, 1, 1)).to(q.dtype)
+        half = self.local_window // 2
+        return attend_local_and_projected(q, k, v, key_real, half, k_rows, v_rows, kept, offset, dropout)
 
 
 def attend(
@@ -459,6 +545,68 @@ def attend(
     weights = torch.softmax(scores.float(), dim=-1).type_as(q)
     out = torch.matmul(F.dropout(weights, dropout, dropout > 0), v)
     return out, weights.transpose(0, 1) if need_head_weights else weights.mean(dim=1)
+
+
+def attend_local_and_projected(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_real: Tensor | None,
+    half_window: int,
+    k_rows: Tensor,
+    v_rows: Tensor,
+    rows_real: Tensor | None,
+    rows_offset: Tensor,
+    dropout: float = 0.0,
+) -> Tensor:
+    """One softmax over two sets of keys: the exact ``k``, ``v`` of the positions within
+    ``half_window`` of each query, and the R projected rows ``k_rows``, ``v_rows``.
+
+    q, k, v: ``B x H x T x D``; key_real: ``B x T``, True where a position may be read in the
+    band, or None; k_rows, v_rows: ``B x H x R x D``; rows_real: ``B x R`` or None; rows_offset:
+    added to every row's logit, broadcastable to ``B x H x 1 x 1``. Returns ``B x H x T x D``.
+
+    Blockwise, never T x T: the queries are cut into blocks of b = half_window positions, and
+    each block reads the b + 2 * half_window keys around it (its band lies inside them), so the
+    cost is O(T (3 half_window + R)).
+    """
+    B, H, T, D = q.shape
+    R = k_rows.size(2)
+    half = min(half_window, T - 1)  # a wider band reads nothing more
+    block = max(half, 1)
+    blocks = -(-T // block)
+    span, tail = block + 2 * half, blocks * block - T
+    q = F.pad(q * D**-0.5, (0, 0, 0, tail))  # B x H x blocks*block x D
+
+    def windows(t: Tensor) -> Tensor:  # B x H x T x D -> B x H x blocks x D x span: views, no copies
+        return F.pad(t, (0, 0, half, tail + half)).unfold(2, span, block)
+
+    band = torch.matmul(q.view(B, H, blocks, block, D), windows(k))  # B x H x blocks x block x span
+    query_at = torch.arange(blocks * block, device=q.device).view(blocks, block, 1)
+    key_at = (torch.arange(blocks, device=q.device) * block - half).view(blocks, 1, 1) + torch.arange(
+        span, device=q.device
+    )
+    readable = ((key_at - query_at).abs() <= half) & (key_at >= 0) & (key_at < T)  # blocks x block x span
+    if key_real is not None:
+        real = F.pad(key_real, (half, tail + half), value=False).unfold(1, span, block)  # B x blocks x span
+        readable = (readable & real.unsqueeze(2)).unsqueeze(1)  # B x 1 x blocks x block x span
+    band = band.masked_fill(~readable, float("-inf"))
+    far = torch.matmul(q, k_rows.transpose(-1, -2)) + rows_offset  # B x H x blocks*block x R
+    if rows_real is not None:
+        far = far.masked_fill(~rows_real.view(B, 1, 1, R), float("-inf"))
+    scores = torch.cat([band, far.view(B, H, blocks, block, R)], dim=-1)
+    # in the scores' own dtype: torch's kernels accumulate half-precision softmax in fp32, and an
+    # fp32 copy of B x H x T x (span + R) would be the layer's largest tensor
+    weights = F.dropout(torch.softmax(scores, dim=-1), dropout, dropout > 0)
+    to_band, to_rows = weights.split([span, R], dim=-1)
+    out = torch.matmul(to_band, windows(v).transpose(-1, -2)).view(B, H, blocks * block, D)
+    out = out + torch.matmul(to_rows.reshape(B, H, blocks * block, R), v_rows)
+    return out[:, :, :T]
+
+
+def sentence_lengths(pad_mask: Tensor | None, T: int, B: int, device) -> Tensor:
+    """Each sentence's number of real tokens, ``B``; pad_mask: ``B x T``, True at pads, or None."""
+    return torch.full((B,), T, device=device) if pad_mask is None else (~pad_mask).sum(1)
 
 
 def projection(settings: LinformerSettings, k: int, groups: int = 1) -> SequenceProjection:

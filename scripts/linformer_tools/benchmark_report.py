@@ -25,9 +25,11 @@ PAPER = {
 }
 
 
-def encoder_flops(n, d, f, layers, k=None, sharing="layerwise", kind="linear", original=False):
+def encoder_flops(n, d, f, layers, k=None, sharing="layerwise", kind="linear", original=False, window=0):
     """Matmul FLOPs of the encoder layers on one sequence (docs/benchmarks.md: FLOP-ideal ratio); k=None: RoBERTa.
-    original: fairseq's original example, which applies a projection that keys and values share twice."""
+    original: fairseq's original example, which applies a projection that keys and values share twice. window: a
+    local band of W keys a query, which also needs every position's own keys and values (under sharing none they
+    are made anyway): 4 n W d for its scores and values, 4 n d^2 for those maps."""
     ffn = 4 * n * d * f
     if k is None:
         return layers * (8 * n * d * d + 4 * n * n * d + ffn)
@@ -35,7 +37,8 @@ def encoder_flops(n, d, f, layers, k=None, sharing="layerwise", kind="linear", o
     kv_maps = 4 * (n if sharing == "none" else rows) * d * d
     projections = 2 if sharing in ("none", "headwise") or original else 1
     per_projection = {"linear": 2 * k * n * d, "conv": 2 * n * d}.get(kind, 0)
-    return layers * (4 * n * d * d + kv_maps + projections * per_projection + 4 * n * rows * d + ffn)
+    band = 4 * n * window * d + (4 * n * d * d if window and sharing != "none" else 0)
+    return layers * (4 * n * d * d + kv_maps + projections * per_projection + 4 * n * rows * d + band + ffn)
 
 
 def step_flops(s, roberta=False, masked_share=MASKED_SHARE):
@@ -44,7 +47,8 @@ def step_flops(s, roberta=False, masked_share=MASKED_SHARE):
     whose dense and vocabulary maps run on the masked share of the positions only."""
     dims = (s["n"], s["encoder_embed_dim"], s["encoder_ffn_embed_dim"], s["encoder_layers"])
     k = None if roberta else s["k"]
-    flops = encoder_flops(*dims, k, s["compress_sharing"], s["compress_type"], s["model"] == "original")
+    window = 0 if roberta else s.get("local_window", 0)  # points measured before the band have none
+    flops = encoder_flops(*dims, k, s["compress_sharing"], s["compress_type"], s["model"] == "original", window)
     if s["mode"] == "inference":
         return flops
     d = s["encoder_embed_dim"]

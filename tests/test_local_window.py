@@ -1,0 +1,193 @@
+"""--local-window: an exact local band beside the projection, in one softmax. Numerics against
+a dense masked reference in float64 (odd lengths, padding, windows wider than the input),
+gradients, every projection, exact inputs, half precision, activation checkpointing, and
+checkpoints."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from test_linformer_model import HALF, assert_within_half_precision, attention, build_model, features, tokens
+
+from linformer_fairseq.modules import COMPRESS_SHARING, COMPRESS_TYPES, LinformerMultiheadAttention, LinformerSettings
+from linformer_fairseq.modules.linformer_attention import attend_local_and_projected, projection
+
+PAD = 1
+
+
+def dense_band_and_rows(q, k, v, key_real, half, k_rows, v_rows, rows_real, offset):
+    """The reference: the full T x T scores masked to |i - j| <= half, beside the rows' scores."""
+    T, D = q.size(2), q.size(3)
+    at = torch.arange(T)
+    readable = ((at.view(T, 1) - at.view(1, T)).abs() <= half).view(1, 1, T, T)
+    if key_real is not None:
+        readable = readable & key_real.view(-1, 1, 1, T)
+    band = (q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(~readable, -math.inf)
+    rows = q @ k_rows.transpose(-1, -2) / math.sqrt(D) + offset
+    if rows_real is not None:
+        rows = rows.masked_fill(~rows_real.view(rows_real.size(0), 1, 1, -1), -math.inf)
+    weights = torch.softmax(torch.cat([band, rows], -1), -1)
+    return weights[..., :T] @ v + weights[..., T:] @ v_rows
+
+
+def band_inputs(T, R, B=2, H=3, D=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, T, D, generator=g, dtype=torch.float64) for _ in range(3))
+    k_rows, v_rows = (torch.randn(B, H, R, D, generator=g, dtype=torch.float64) for _ in range(2))
+    key_real = torch.ones(B, T, dtype=torch.bool)
+    key_real[1, max(1, T - 3) :] = False  # the second sentence is padded
+    rows_real = torch.ones(B, R, dtype=torch.bool)
+    rows_real[1, -1] = False
+    offset = torch.randn(B, H, 1, 1, generator=g, dtype=torch.float64)
+    return q, k, v, key_real, k_rows, v_rows, rows_real, offset
+
+
+@pytest.mark.parametrize("T,half,R", [(1, 2, 3), (7, 2, 3), (13, 4, 5), (16, 8, 4), (5, 16, 2), (33, 3, 7), (40, 1, 6)])
+def test_band_matches_the_dense_masked_reference(T, half, R):
+    """Odd lengths, lengths not a multiple of the block, windows wider than the input, padding."""
+    q, k, v, key_real, k_rows, v_rows, rows_real, offset = band_inputs(T, R)
+    got = attend_local_and_projected(q, k, v, key_real, half, k_rows, v_rows, rows_real, offset)
+    expected = dense_band_and_rows(q, k, v, key_real, half, k_rows, v_rows, rows_real, offset)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+    unmasked = attend_local_and_projected(q, k, v, None, half, k_rows, v_rows, None, offset)
+    torch.testing.assert_close(unmasked, dense_band_and_rows(q, k, v, None, half, k_rows, v_rows, None, offset))
+
+
+def test_band_gradients_match_finite_differences():
+    q, k, v, key_real, k_rows, v_rows, rows_real, offset = band_inputs(T=9, R=3, B=2, H=2, D=3)
+    inputs = [t.requires_grad_() for t in (q, k, v, k_rows, v_rows, offset)]
+
+    def band(q, k, v, k_rows, v_rows, offset):
+        return attend_local_and_projected(q, k, v, key_real, 2, k_rows, v_rows, rows_real, offset)
+
+    assert torch.autograd.gradcheck(band, inputs)
+
+
+def module_reference(attn, x, pad_mask):
+    """The module's output from its own projected rows, recomputed densely in float64."""
+    T, B, C = x.shape
+    H, D = attn.num_heads, attn.head_dim
+    k_rows, v_rows, kept = attn.project_keys_values(x, pad_mask)
+
+    def heads(t):
+        return t.view(t.size(0), B, H, D).permute(1, 2, 0, 3)
+
+    q, k, v = heads(attn.q_proj(x)), heads(attn.k_proj(x)), heads(attn.v_proj(x))
+    lengths = (~pad_mask).sum(1).double()
+    proj = attn.compress_k
+    if proj.kind == "linear" and proj.length_power < 0:  # resample / exact stretch E over each sentence
+        count = (lengths / proj.k).clamp(min=1).log().view(B, 1, 1, 1)
+    else:
+        count = torch.full((B, 1, 1, 1), math.log(proj.max_positions / proj.k), dtype=torch.float64)
+    offset = count + attn.local_far_bias.view(1, H, 1, 1)
+    key_real = ~pad_mask
+    if proj.kind == "linear" and proj.length_power == -2.0:  # exact: short sentences' rows are their tokens
+        key_real = key_real & (lengths > proj.k).view(B, 1)
+    out = dense_band_and_rows(q, k, v, key_real, attn.local_window // 2, heads(k_rows), heads(v_rows), kept, offset)
+    return attn.out_proj(out.permute(2, 0, 1, 3).reshape(T, B, C))
+
+
+@pytest.mark.parametrize(
+    "kind,sharing,length_norm",
+    [(kind, sharing, "none") for kind, sharing in itertools.product(COMPRESS_TYPES, COMPRESS_SHARING)]
+    + [("linear", "headwise", norm) for norm in ("sqrt", "linear", "resample", "exact")]
+    + [("linear", "none", "exact")],
+)
+def test_module_matches_the_dense_reference_for_every_projection(kind, sharing, length_norm):
+    n, k, T = 32, 8, 23  # T > k: every sentence but the 6-token one goes through the projection
+    torch.manual_seed(0)
+    settings = LinformerSettings(n, (k,), sharing, kind, length_norm, "xavier", local_window=6)
+    layerwise = projection(settings, k) if sharing == "layerwise" else None
+    attn = LinformerMultiheadAttention(16, 4, settings, k, shared_projection=layerwise).double().eval()
+    with torch.no_grad():
+        attn.local_far_bias.copy_(torch.tensor([0.5, -1.0, 0.0, 2.0]))
+    lengths = torch.tensor([23, 15, 6])
+    pad_mask = torch.arange(T).view(1, T) >= lengths.view(-1, 1)
+    x = torch.randn(T, 3, 16, dtype=torch.float64)
+    with torch.no_grad():
+        got, _ = attn(x, key_padding_mask=pad_mask)
+        expected = module_reference(attn, x, pad_mask)
+    real = ~pad_mask.t()
+    torch.testing.assert_close(got[real], expected[real], atol=1e-12, rtol=0)
+
+
+def test_window_zero_is_the_linformer_and_exact_inputs_get_no_band():
+    """W = 0 builds today's model (same parameters, same outputs); a checkpoint without a band loads into
+    a model with one; with a band, inputs that exact
+    reads as their own rows (at most k tokens) give the W = 0 model's outputs, alone or in a
+    batch with longer ones, and longer ones differ."""
+    plain, zero = build_model(compress_length_norm="exact"), build_model(compress_length_norm="exact", local_window=0)
+    assert plain.state_dict().keys() == zero.state_dict().keys()
+    banded = build_model(compress_length_norm="exact", local_window=4)
+    with torch.no_grad():
+        for layer in banded.encoder.sentence_encoder.layers:
+            layer.self_attn.local_far_bias.fill_(1.0)
+    banded.load_state_dict(plain.state_dict())  # a checkpoint without a band: the offset starts at 0
+    assert all(not layer.self_attn.local_far_bias.any() for layer in banded.encoder.sentence_encoder.layers)
+    k = 8
+    short, long_ = tokens(k, seed=1), tokens(20, seed=2)
+    batch = torch.full((2, 20), PAD)
+    batch[0, :k], batch[1] = short[0], long_[0]
+    with torch.no_grad():
+        torch.testing.assert_close(features(zero, batch), features(plain, batch), atol=0, rtol=0)
+        torch.testing.assert_close(features(banded, short), features(plain, short), atol=0, rtol=0)
+        mixed, reference = features(banded, batch), features(plain, batch)
+    torch.testing.assert_close(mixed[0, :k], reference[0, :k], atol=1e-6, rtol=0)
+    assert (mixed[1] - reference[1]).abs().max() > 1e-3, "the band changed nothing on a long input"
+
+
+def test_band_trains_and_checkpointing_replays_it():
+    """Gradients reach the far-field offset and the projections; with dropout on, activation
+    checkpointing gives the same outputs and gradients as without."""
+    src = tokens(20, batch=2)
+    src[1, 13:] = PAD
+    target = torch.randn(2, 20, 32, generator=torch.Generator().manual_seed(1))
+    runs = []
+    for checkpointing in (False, True):
+        model = build_model(
+            local_window=6, checkpoint_activations=checkpointing, dropout=0.2, attention_dropout=0.3
+        ).train()
+        torch.manual_seed(7)
+        out = features(model, src)
+        (out * target).sum().backward()
+        runs.append((out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (plain_out, plain), (ckpt_out, ckpt) = runs
+    torch.testing.assert_close(ckpt_out, plain_out, atol=0, rtol=0)
+    assert plain.keys() == ckpt.keys()
+    for name, grad in ckpt.items():
+        torch.testing.assert_close(grad, plain[name], atol=1e-9, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    bias = "encoder.sentence_encoder.layers.1.self_attn.local_far_bias"
+    assert plain[bias].abs().min() > 0, "no gradient reaches the far field's per-head offset"
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_precision_band_tracks_fp32(dtype):
+    torch.manual_seed(0)
+    attn = attention(64, 4, 32, 8, init="xavier", length_norm="resample", local_window=8).eval()
+    T, lengths = 27, torch.tensor([27, 17])
+    pad_mask = torch.arange(T).unsqueeze(0) >= lengths.unsqueeze(1)
+    x = (torch.randn(T, 2, 64) * 2).to(dtype)
+    with torch.no_grad():
+        out = attn.to(dtype)(x, key_padding_mask=pad_mask)[0]
+        ref = attn.float()(x.float(), key_padding_mask=pad_mask)[0]
+    assert out.dtype == dtype
+    assert_within_half_precision(out, ref, ~pad_mask.t(), dtype, max_eps=2.0, mean_eps=0.4)
+
+
+def test_checkpoint_round_trip_and_clear_errors(tmp_path):
+    model = build_model(local_window=6)
+    with torch.no_grad():
+        for layer in model.encoder.sentence_encoder.layers:
+            layer.self_attn.local_far_bias.uniform_(-1, 1)
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    loaded = build_model(local_window=6)
+    loaded.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+    src = tokens(25, batch=2)
+    with torch.no_grad():
+        torch.testing.assert_close(features(loaded, src), features(model, src), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="even number"):
+        build_model(local_window=5)
+    attn = attention(16, 4, 32, 8, local_window=4)
+    with pytest.raises(ValueError, match="not returned with --local-window"):
+        attn(torch.randn(20, 1, 16), need_weights=True)

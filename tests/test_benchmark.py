@@ -263,3 +263,33 @@ def test_bad_arguments_fail_naming_the_value(argv, message, tmp_path, capsys):
         bench.main(argv + ["--out-dir", str(tmp_path)])
     assert stop.value.code == 2 and message in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # refused before measuring anything
+
+
+def test_attention_benchmark_times_fairseqs_attention_and_each_band(tmp_path, capsys):
+    """scripts/benchmark_attention.py: its full-attention baseline computes fairseq's MultiheadAttention
+    (same weights, same output); the grid has full attention and a Linformer per k < n and band W, and
+    its JSON holds the printed rows; bad input is refused."""
+    from fairseq.modules import MultiheadAttention
+
+    layers = load_script("benchmark_attention")
+    torch.manual_seed(0)
+    reference = MultiheadAttention(32, 4, self_attention=True).eval()
+    full = layers.FullAttention(32, 4).eval()
+    for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        getattr(full, name).load_state_dict(getattr(reference, name).state_dict())
+    x = torch.randn(20, 2, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(full(x)[0], reference(x, x, x, need_weights=False)[0], atol=1e-5, rtol=0)
+
+    out = tmp_path / "layers.json"
+    argv = ["--lengths", "64,128", "--ks", "32,64", "--local-windows", "0,8", "--embed-dim", "32", "--heads", "4"]
+    layers.main([*argv, "--repeats", "1", "--mode", "training", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    names = [(r["n"], r["model"]) for r in rows]
+    assert names == [(64, "full"), (64, "linformer-k32"), (64, "linformer-k32-w8"),
+                     (128, "full"), (128, "linformer-k32"), (128, "linformer-k32-w8"),
+                     (128, "linformer-k64"), (128, "linformer-k64-w8")]  # fmt: skip
+    assert all(r["vs_full"] == 1 for r in rows if r["model"] == "full")
+    assert capsys.readouterr().out.count("| 128 | 1 |") == 5
+    with pytest.raises(SystemExit):
+        layers.main(["--local-windows", "7"])

@@ -590,10 +590,11 @@ def attend_local_and_projected(
     if key_real is not None:
         real = F.pad(key_real, (half, tail + half), value=False).unfold(1, span, block)  # B x blocks x span
         readable = (readable & real.unsqueeze(2)).unsqueeze(1)  # B x 1 x blocks x block x span
-    band = band.masked_fill(~readable, float("-inf"))
-    far = torch.matmul(q, k_rows.transpose(-1, -2)) + rows_offset  # B x H x blocks*block x R
+    # in place: both are fresh products whose backward does not need them
+    band.masked_fill_(~readable, float("-inf"))
+    far = torch.matmul(q, k_rows.transpose(-1, -2)).add_(rows_offset)  # B x H x blocks*block x R
     if rows_real is not None:
-        far = far.masked_fill(~rows_real.view(B, 1, 1, R), float("-inf"))
+        far.masked_fill_(~rows_real.view(B, 1, 1, R), float("-inf"))
     scores = torch.cat([band, far.view(B, H, blocks, block, R)], dim=-1)
     # in the scores' own dtype: torch's kernels accumulate half-precision softmax in fp32, and an
     # fp32 copy of B x H x T x (span + R) would be the layer's largest tensor

@@ -1,0 +1,169 @@
+#!/usr/bin/env python
+"""Time (and on a GPU, peak memory) of one self-attention layer: PyTorch's fused full attention
+(scaled_dot_product_attention, as fairseq's RoBERTa runs it) against the plugin's Linformer
+attention at each k and local window W (--local-window), side by side in one process.
+
+Needs only torch: the plugin's attention module is loaded from its file, so it runs where fairseq
+is not installed (a GPU node with a bare PyTorch). The whole model against fairseq's RoBERTa is
+scripts/benchmark.py. Prints a table of milliseconds per step, peak MiB and the ratio to full
+attention (above 1: faster than full attention), and writes it to --out as JSON. docs/benchmarks.md
+gives the figures.
+"""
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+MODULE = Path(__file__).resolve().parent.parent / "linformer_fairseq" / "modules" / "linformer_attention.py"
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def plugin_attention():
+    spec = importlib.util.spec_from_file_location("linformer_attention", MODULE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class FullAttention(torch.nn.Module):
+    """fairseq's RoBERTa attention as PyTorch's fused kernel runs it: four maps and one SDPA call."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (torch.nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        T, B, C = x.shape
+
+        def split(t):
+            return t.view(T, B, self.heads, C // self.heads).permute(1, 2, 0, 3)
+
+        out = F.scaled_dot_product_attention(split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x)))
+        return self.out_proj(out.permute(2, 0, 1, 3).reshape(T, B, C)), None
+
+
+def models(args, n, attention):
+    yield "full", lambda: FullAttention(args.embed_dim, args.heads)
+    for k in (k for k in args.ks if k < n):
+        for window in args.local_windows:
+            settings = attention.LinformerSettings(
+                max_positions=n, compressed_dims=(k,), length_norm=args.length_norm, local_window=window
+            )
+            name = f"linformer-k{k}" + (f"-w{window}" if window else "")
+            yield name, lambda s=settings, k=k: attention.LinformerMultiheadAttention(args.embed_dim, args.heads, s, k)
+
+
+def timed(layer, x, training: bool, repeats: int, device: str):
+    """(median milliseconds of a step, peak MiB above the inputs, or None on a CPU)."""
+
+    def step():
+        if training:
+            layer(x)[0].float().sum().backward()
+        else:
+            with torch.inference_mode():
+                layer(x)
+
+    cuda = device == "cuda"
+    for _ in range(2):  # warm-up: kernels chosen, allocator grown
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            started = time.perf_counter()
+            step()
+            times.append(1000 * (time.perf_counter() - started))
+    times.sort()
+    return times[len(times) // 2], (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
+
+
+def int_list(text):
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected integers >= 0, got {text!r}")
+    return values
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int_list, default=[1024, 4096], help="sequence lengths n (default: 1024,4096)")
+    p.add_argument("--batch-sizes", type=int_list, help="sequences a step, one per length (default: 1 each)")
+    p.add_argument("--ks", type=int_list, default=[256], help="projected lengths k; only k < n runs (default: 256)")
+    p.add_argument("--local-windows", type=int_list, default=[0, 64, 128], help="bands W (default: 0,64,128)")
+    p.add_argument("--length-norm", default="resample", help="the projection's --compress-length-norm")
+    p.add_argument("--embed-dim", type=int, default=768, help="default: 768")
+    p.add_argument("--heads", type=int, default=12, help="default: 12")
+    p.add_argument("--mode", choices=("inference", "training"), default="inference", help="training: + backward")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="default: fp32")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default: cpu")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads; 0: torch's choice")
+    p.add_argument("--repeats", type=int, default=10, help="timed steps per point, the median reported (default: 10)")
+    p.add_argument("--out", type=Path, help="also write the rows as JSON here")
+    args = p.parse_args(argv)
+    args.batch_sizes = args.batch_sizes or [1] * len(args.lengths)
+    if len(args.batch_sizes) != len(args.lengths):
+        p.error(f"--batch-sizes has {len(args.batch_sizes)} values for {len(args.lengths)} lengths")
+    if min(args.lengths + args.batch_sizes + [args.repeats]) < 1:
+        p.error("--lengths, --batch-sizes and --repeats must be >= 1")
+    if bad := [w for w in args.local_windows if w % 2]:
+        p.error(f"--local-windows: a band is W/2 neighbours on each side, so W must be even, got {bad}")
+    if args.embed_dim % args.heads:
+        p.error(f"--embed-dim {args.embed_dim} is not divisible by --heads {args.heads}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    attention, dtype, training = plugin_attention(), DTYPES[args.dtype], args.mode == "training"
+    device = torch.device(args.device)
+    rows = []
+    print("| n | batch | model | ms a step | peak MiB | vs full |\n| ---: | ---: | --- | ---: | ---: | ---: |")
+    for n, batch in zip(args.lengths, args.batch_sizes):
+        torch.manual_seed(0)
+        x = torch.randn(n, batch, args.embed_dim, device=device, dtype=dtype, requires_grad=training)
+        full_ms = None
+        for name, make in models(args, n, attention):
+            layer = make().to(device, dtype).train(training)
+            layer.dropout = 0.0  # the same work in every step
+            ms, peak = timed(layer, x, training, args.repeats, args.device)
+            full_ms = full_ms or ms
+            row = dict(
+                n=n, batch=batch, model=name, ms=round(ms, 3), peak_mib=peak and round(peak), vs_full=full_ms / ms
+            )
+            rows.append(row)
+            shown = "-" if peak is None else f"{peak:,.0f}"
+            print(f"| {n:,} | {batch} | {name} | {ms:.3f} | {shown} | {full_ms / ms:.2f}x |", flush=True)
+            del layer
+    if args.out:
+        setting = {key: value for key, value in vars(args).items() if key != "out"}
+        device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+        report = {"command": " ".join(sys.argv), "device": device_name, "torch": torch.__version__, **setting}
+        args.out.write_text(json.dumps({**report, "rows": rows}, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -110,7 +110,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-sizes", type=int_list, help="sequences a step, one per length (default: 1 each)")
     p.add_argument("--ks", type=int_list, default=[256], help="projected lengths k; only k < n runs (default: 256)")
     p.add_argument("--local-windows", type=int_list, default=[0, 64, 128], help="bands W (default: 0,64,128)")
-    p.add_argument("--length-norm", default="resample", help="the projection's --compress-length-norm")
+    p.add_argument("--length-norm", default="resample", choices=tuple(plugin_attention().LENGTH_NORM_POWERS),
+                   help="the projection's --compress-length-norm (default: resample)")  # fmt: skip
     p.add_argument("--embed-dim", type=int, default=768, help="default: 768")
     p.add_argument("--heads", type=int, default=12, help="default: 12")
     p.add_argument("--mode", choices=("inference", "training"), default="inference", help="training: + backward")

@@ -578,7 +578,7 @@ def attend_local_and_projected(
     span, tail = block + 2 * half, blocks * block - T
     q = F.pad(q * D**-0.5, (0, 0, 0, tail))  # B x H x blocks*block x D
 
-    def windows(t: Tensor) -> Tensor:  # B x H x T x D -> B x H x blocks x D x span: views, no copies
+    def windows(t: Tensor) -> Tensor:  # B x H x T x D -> B x H x blocks x D x span: a view of the padded t
         return F.pad(t, (0, 0, half, tail + half)).unfold(2, span, block)
 
     band = torch.matmul(q.view(B, H, blocks, block, D), windows(k))  # B x H x blocks x block x span

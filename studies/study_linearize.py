@@ -407,7 +407,7 @@ def main(argv=None):
     p.add_argument("--out", type=Path, required=True, help="study folder (keep it outside the checkout)")
     p.add_argument("--runs", nargs="+", choices=list(RUNS), help="runs to make (default: all)")
     p.add_argument("--spectrum-sequences", type=int, default=16, help="sequences per spectrum (default: 16)")
-    p.add_argument("--short-steps", type=int, default=300, help="distillation steps at n=128 (default: 300)")
+    p.add_argument("--short-steps", type=int, default=200, help="distillation steps at n=128 (default: 200)")
     p.add_argument("--grid-steps", type=int, default=100, help="distillation steps of the n=512 grid (default: 100)")
     g = p.add_argument_group("finetuning the n=128 Linformers and their teacher on SST-2 and CoLA (with --glue)")
     g.add_argument("--glue", type=Path, help="glue_data folder with SST-2 and CoLA (train.tsv, dev.tsv)")
@@ -418,8 +418,10 @@ def main(argv=None):
         help="n=128 runs (or probes) to finetune (default: every run)",
     )
     g.add_argument("--tasks", nargs="+", choices=GLUE_TASKS, default=list(GLUE_TASKS), help="default: SST-2 CoLA")
-    g.add_argument("--train-rows", type=int, default=4000, help="each task's training subset, drawn with seed 0")
-    g.add_argument("--finetune-epochs", type=int, default=3, help="default: 3")
+    g.add_argument(
+        "--train-rows", type=int, default=4000, help="each task's training subset, drawn with seed 0 (default: 4000)"
+    )
+    g.add_argument("--finetune-epochs", type=int, default=2, help="default: 2")
     g.add_argument("--finetune-lr", type=float, default=1e-4, help="default: 1e-4")
     g.add_argument("--seeds", type=int, default=3, help="finetuning seeds per model and task (default: 3)")
     p.add_argument("--report-only", action="store_true", help="only rewrite the report from finished runs")

@@ -16,6 +16,7 @@ checkpoint_last.pt):
 
 import argparse
 import json
+import os
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -357,7 +358,9 @@ def main():
 
     def arg(*names, **kw):
         if "default" in kw and "%(default)s" not in kw.get("help", ""):
-            kw["help"] = kw.get("help", "") + " (default: %(default)s)"
+            default = kw["default"]  # paths as the checkout sees them, not as this machine does
+            shown = os.path.relpath(default, REPO) if isinstance(default, Path) else "%(default)s"
+            kw["help"] = kw.get("help", "") + f" (default: {shown})"
         p.add_argument(*names, **kw)
 
     arg("--out", type=Path, default=REPO / "work" / "study", help="output folder")

@@ -200,6 +200,14 @@ def test_readme_command_runs_with_help(tokens, found):
 
 
 @pytest.mark.slow(minutes=1)
+def test_study_help_shows_path_defaults_from_the_checkout():
+    """A study's --help names its default folders as any clone has them, not as this machine does."""
+    status, output = run_help((sys.executable, "studies/study_quality.py", "--help"))
+    assert status == 0, output[-3000:]
+    assert str(REPO) not in output, f"studies/study_quality.py --help prints this checkout's path:\n{output}"
+    assert "(default: work/study)" in output and "../shared/data/wikitext-2" in output, output
+
+
 def test_model_doc_flags_exist():
     """Every flag docs/model.md's flag tables name is one fairseq-train takes for the model."""
     text = MODEL_DOC.read_text(encoding="utf-8")

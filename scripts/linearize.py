@@ -124,15 +124,20 @@ def shortened(blocks, fraction, generator):
 # ---------------------------------------------------------------- models
 
 
-def load(path):
-    """(fairseq model, its namespace) from a checkpoint; eval mode (distillation runs without dropout)."""
+def load(path, device="cpu"):
+    """(fairseq model on ``device``, its namespace, the checkpoint) from a checkpoint; eval mode
+    (distillation runs without dropout)."""
     state = checkpoints.read_checkpoint(path)
     ns = checkpoints.model_namespace(state)
     model = checkpoints.build_model(ns, checkpoints.vocab_size(state))
     missing = checkpoints.load_weights(model, state["model"])
     if missing:
         fail(f"{path}: weights missing for {', '.join(missing[:5])}")
-    return model.eval(), ns, state
+    return model.to(device).eval(), ns, state
+
+
+def device_of(model):
+    return next(model.parameters()).device
 
 
 def layers(model):
@@ -147,6 +152,7 @@ def run(model, tokens, grad=False):
         attention.append((kwargs["query"], output[0]))
 
     handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in layers(model)]
+    tokens = tokens.to(device_of(model))
     try:
         with torch.set_grad_enabled(grad):
             _, extra = model(tokens, features_only=True, return_all_hiddens=True)
@@ -172,7 +178,7 @@ def fidelity(student, teacher, blocks, sts=None, batch=4):
     sums = {"attention": [[0.0, 0.0] for _ in range(L)], "hidden": [[0.0, 0.0] for _ in range(L)]}
     cosine, tokens = 0.0, 0
     for start in range(0, blocks.size(0), batch):
-        x = trimmed(blocks[start : start + batch])
+        x = trimmed(blocks[start : start + batch]).to(device_of(student))
         real = x.ne(PAD).t()
         ours, our_attention = run(student, x)
         theirs, their_attention = run(teacher, x)
@@ -217,11 +223,11 @@ def embeddings(model, sentences, batch=64):
         for start in range(0, len(sentences), batch):
             tokens = torch.nn.utils.rnn.pad_sequence(
                 sentences[start : start + batch], batch_first=True, padding_value=PAD
-            )
+            ).to(device_of(model))
             real = tokens.ne(PAD).unsqueeze(-1)
             features = model(tokens, features_only=True)[0]
             out.append((features * real).sum(1) / real.sum(1))
-    return torch.cat(out)
+    return torch.cat(out).cpu()
 
 
 def sts_spearman(model, pairs):
@@ -244,10 +250,15 @@ def show(name, fid):
     )
 
 
-def projection_parameters(module):
-    """E/F, and with a local band the far field's per-head offsets: what the transfer fits."""
-    far = (".compress_", ".local_far_bias")
+def projection_parameters(module, far_offsets=True):
+    """E/F, and with a local band the far field's per-head offsets (unless not ``far_offsets``):
+    what the transfer fits."""
+    far = (".compress_", ".local_far_bias") if far_offsets else (".compress_",)
     return [p for name, p in module.named_parameters() if any(part in f".{name}" for part in far)]
+
+
+def far_offsets(module):
+    return [p for name, p in module.named_parameters() if name.endswith("local_far_bias")]
 
 
 def head_outputs(attention, **kwargs):
@@ -272,11 +283,11 @@ def head_analysis(student, teacher, blocks, batch=4, near=2):
     L, H = len(layers(teacher)), layers(teacher)[0].self_attn.num_heads
     sums, local, queries = torch.zeros(L, H, 2), torch.zeros(L, H), 0
     for start in range(0, blocks.size(0), batch):
-        x = trimmed(blocks[start : start + batch])
+        x = trimmed(blocks[start : start + batch]).to(device_of(student))
         padding, real = x.eq(PAD), x.ne(PAD).t()
         _, inputs = run(student, x)
-        T = x.size(1)
-        band = (torch.arange(T).view(-1, 1) - torch.arange(T).view(1, -1)).abs() <= near
+        positions = torch.arange(x.size(1), device=x.device)
+        band = (positions.view(-1, 1) - positions.view(1, -1)).abs() <= near
         for i, (ours, theirs) in enumerate(zip(layers(student), layers(teacher))):
             q = inputs[i][0]
             mine, _ = head_outputs(ours.self_attn, query=q, key_padding_mask=padding)
@@ -285,9 +296,9 @@ def head_analysis(student, teacher, blocks, batch=4, near=2):
                 need_weights=True, need_head_weights=True,
             )  # fmt: skip
             diff = (mine - target)[real].view(-1, H, target.size(-1) // H)
-            sums[i, :, 0] += diff.pow(2).sum((0, 2))
-            sums[i, :, 1] += target[real].view(-1, H, target.size(-1) // H).pow(2).sum((0, 2))
-            local[i] += (weights * band).sum(-1).permute(0, 2, 1)[:, real].sum(-1)  # H x T x B -> H
+            sums[i, :, 0] += diff.pow(2).sum((0, 2)).cpu()
+            sums[i, :, 1] += target[real].view(-1, H, target.size(-1) // H).pow(2).sum((0, 2)).cpu()
+            local[i] += (weights * band).sum(-1).permute(0, 2, 1)[:, real].sum(-1).cpu()  # H x T x B -> H
         queries += int(real.sum())
     return {"error": (sums[..., 0] / sums[..., 1]).sqrt().tolist(), "local": (local / queries).tolist(), "near": near}
 
@@ -295,14 +306,15 @@ def head_analysis(student, teacher, blocks, batch=4, near=2):
 # ---------------------------------------------------------------- stage 1: attention transfer
 
 
-def transfer(student, teacher, blocks, steps, lr, batch, generator):
-    """Fit each layer's E/F (nothing else) to the teacher's attention on the student's layer inputs."""
-    blocks = trimmed(blocks)
+def transfer(student, teacher, blocks, steps, lr, batch, generator, fit_far_offsets=True):
+    """Fit each layer's E/F (nothing else; with a band, its far-field offsets too unless not
+    ``fit_far_offsets``) to the teacher's attention on the student's layer inputs."""
+    blocks = trimmed(blocks).to(device_of(student))
     for p in student.parameters():
         p.requires_grad_(False)
     shared = getattr(student.encoder.sentence_encoder, "compress_layer", None)
     for i, (ours, theirs) in enumerate(zip(layers(student), layers(teacher))):
-        params = projection_parameters(ours.self_attn)
+        params = projection_parameters(ours.self_attn, fit_far_offsets)
         if shared is not None:  # layerwise: the one projection is fitted at the first layer only
             params = list(shared.parameters()) if i == 0 else []
         if not params:
@@ -322,7 +334,7 @@ def transfer(student, teacher, blocks, steps, lr, batch, generator):
             p.requires_grad_(True)
         optimizer = torch.optim.Adam(params, lr=lr)
         for _ in range(steps):
-            pick = torch.randint(0, len(blocks), (batch,), generator=generator)
+            pick = torch.randint(0, len(blocks), (batch,), generator=generator).to(blocks.device)
             x, target = inputs[:, pick], targets[:, pick]
             out = ours.self_attn(query=x, key_padding_mask=padding[pick])[0]
             loss = (out - target).pow(2).sum() / target.pow(2).sum()
@@ -340,18 +352,21 @@ def transfer(student, teacher, blocks, steps, lr, batch, generator):
 
 
 def distill(student, teacher, blocks, args, state_path, generator):
-    """End-to-end: all weights free, relative squared error of every layer's hidden states."""
+    """End-to-end: all weights free (with a band, its far-field offsets fixed under --far-offset
+    count), relative squared error of every layer's hidden states."""
     projections = {id(p) for p in projection_parameters(student)}
+    fixed = {id(p) for p in far_offsets(student)} if args.far_offset == "count" else set()
+    free = [p for p in student.parameters() if id(p) not in fixed]
     groups = [
-        {"params": [p for p in student.parameters() if id(p) not in projections], "lr": args.lr},
-        {"params": [p for p in student.parameters() if id(p) in projections], "lr": args.projection_lr},
+        {"params": [p for p in free if id(p) not in projections], "lr": args.lr},
+        {"params": [p for p in free if id(p) in projections], "lr": args.projection_lr},
     ]
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
     peaks = [g["lr"] for g in optimizer.param_groups]
     warmup = max(1, args.distill_steps // 20)
     step = 0
     if state_path.is_file():  # resume: weights, optimizer, step and the random stream
-        saved = torch.load(state_path, weights_only=True)
+        saved = torch.load(state_path, weights_only=True, map_location="cpu")  # load_state_dict places it
         student.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         step = saved["step"]
@@ -366,6 +381,7 @@ def distill(student, teacher, blocks, args, state_path, generator):
             group["lr"] = peak * scale
         pick = torch.randint(0, len(blocks), (args.batch_blocks,), generator=generator)
         x = trimmed(blocks[pick] if args.documents else shortened(blocks[pick], args.short_fraction, generator))
+        x = x.to(device_of(student))
         real = x.ne(PAD).t()
         with torch.no_grad():
             theirs, _ = run(teacher, x)
@@ -417,6 +433,10 @@ def parse_args(argv=None):
     parser.add_argument("--local-window", type=int, default=0,
                         help="W: an exact local band of W neighbours beside the projection in every layer; the "
                              "transfer and distillation then fit E/F to what the band leaves (default: 0)")  # fmt: skip
+    parser.add_argument("--far-offset", choices=("learned", "count"), default="learned",
+                        help="with --local-window: each projected row's logit gets log(tokens it stands for) "
+                             "plus a per-head offset that the transfer and distillation fit (learned), or the "
+                             "log count alone, the offsets kept at 0 (count) (default: learned)")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="folder of the run (a rerun resumes it)")
     g = parser.add_argument_group("attention transfer (stage 1)")
     g.add_argument("--transfer-steps", type=int, default=100, help="Adam steps per layer (default: 100; 0 skips)")
@@ -450,6 +470,8 @@ def parse_args(argv=None):
     g.add_argument("--log-interval", type=int, default=10, help="default: 10")
     g.add_argument("--save-interval", type=int, default=50, help="steps between resumable saves (default: 50)")
     parser.add_argument("--seed", type=int, default=1, help="default: 1")
+    parser.add_argument("--device", help="where the models run, e.g. cuda:1 (default: cuda when a GPU is visible, "
+                        "else cpu)")  # fmt: skip
     parser.add_argument("--no-export", action="store_true", help="do not write OUT/hf")
     parser.add_argument(
         "--heads",
@@ -467,6 +489,8 @@ def parse_args(argv=None):
         parser.error(f"--k {args.k} must be in 1..--max-positions ({args.max_positions})")
     if args.local_window < 0 or args.local_window % 2:
         parser.error(f"--local-window must be an even number >= 0, got {args.local_window}")
+    if args.far_offset != "learned" and not args.local_window:
+        parser.error("--far-offset sets the band's far-field offsets: add --local-window")
     if args.min_tokens and not args.documents:
         parser.error("--min-tokens needs --documents (blocks of running text are all N tokens long)")
     if not 0 <= args.min_tokens <= args.max_positions:
@@ -474,6 +498,12 @@ def parse_args(argv=None):
     if not 0 <= args.short_fraction <= 1:
         parser.error("--short-fraction must be in [0, 1]")
     args.transfer_batch = max(4, args.batch_blocks) if args.transfer_batch is None else args.transfer_batch
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        torch.empty(0, device=args.device)
+    except (RuntimeError, AssertionError) as error:  # a typo, or cuda on a machine without one
+        parser.error(f"--device {args.device}: {str(error).splitlines()[0]}")
     for name in ("valid_blocks", "batch_blocks", "transfer_blocks", "transfer_batch", "log_interval", "save_interval"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -542,8 +572,8 @@ def main(argv=None):
     else:
         print(f"text: {len(blocks)} training blocks of {n} tokens, {len(valid)} held out", flush=True)
     print(f"lr of E/F: {args.transfer_lr:g} in the transfer, {args.projection_lr:g} in distillation", flush=True)
-    teacher, _, _ = load(teacher_path)
-    student, ns, state = load(out / "converted.pt")
+    teacher, _, _ = load(teacher_path, args.device)
+    student, ns, state = load(out / "converted.pt", args.device)
     sts = sts_pairs(args.sts, tokenizer, n) if args.sts else None
     if sts and "teacher_sts" not in report:
         report["teacher_sts"] = sts_spearman(teacher, sts)
@@ -555,11 +585,11 @@ def main(argv=None):
     show("converted", stages["converted"]["fidelity"])
 
     if (out / "transfer.pt").is_file():
-        student, _, _ = load(out / "transfer.pt")
+        student, _, _ = load(out / "transfer.pt", args.device)
     elif args.transfer_steps:
         started = time.time()
         transfer(student, teacher, blocks[: args.transfer_blocks], args.transfer_steps, args.transfer_lr,
-                 args.transfer_batch, generator)  # fmt: skip
+                 args.transfer_batch, generator, args.far_offset == "learned")  # fmt: skip
         stages["transfer"] = {"fidelity": fidelity(student, teacher, valid, sts), "seconds": time.time() - started}
         checkpoints.write_checkpoint(state, ns, student, out / "transfer.pt", {"stage": "attention transfer"})
         write_text(report_path, json.dumps(report, indent=2, default=str) + "\n")
@@ -582,7 +612,7 @@ def main(argv=None):
     if "distillation" in stages:
         show("distillation", stages["distillation"]["fidelity"])
     if args.heads and "heads" not in report:
-        student, _, _ = load(out / "checkpoint.pt")
+        student, _, _ = load(out / "checkpoint.pt", args.device)
         report["heads"] = head_analysis(student, teacher, valid)
         write_text(report_path, json.dumps(report, indent=2, default=str) + "\n")
     if args.heads:

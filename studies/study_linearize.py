@@ -15,7 +15,8 @@ Runs (each a linearize.py folder under OUT/runs, resumable; --runs picks some, -
     grid at k = 128 with a shorter distillation (--grid-steps, its own k = 128 reference among
     them): subsample init; mean pooling; convolution; kv and layerwise sharing; no key scale
     (--key-scale 1), also with the full distillation; an exact local band beside the projection
-    (--local-window W): W = 32, 64, 128 at k = 128, and W = 64 at k = 64
+    (--local-window W): W = 32, 64, 128 at k = 128, and W = 64 at k = 64; at W = 128 the far
+    field weighted by its log count alone (--far-offset count), and another seed
   short inputs, n = 128 (STS-B dev zero-shot, mean pooling, against the teacher at n = 128):
     k = 8, 16, 32 with each way of handling inputs shorter than n at k = 16 (slice: the first T
     columns of E; length norm linear; resample; mean pooling); remedies at k = 16 (direct: no
@@ -102,6 +103,10 @@ RUNS["n128-full-attention"] = (SHORT, ["--k", "128", "--compress-type", "mean", 
 # an exact local band of W neighbours beside the projection (--local-window), against n512-k128-noscale (W = 0)
 for k, window in ((128, 32), (128, 64), (128, 128), (64, 64)):
     RUNS[f"n512-k{k}-w{window}"] = (LONG, ["--k", str(k), "--key-scale", "1", "--local-window", str(window)])
+# the far field's weight against the band: log(tokens a row stands for) alone, no learned offset; and
+# the learned run again with another seed, for the spread a seed makes
+RUNS["n512-k128-w128-count"] = (LONG, [*RUNS["n512-k128-w128"][1], "--far-offset", "count"])
+RUNS["n512-k128-w128-seed2"] = (LONG, [*RUNS["n512-k128-w128"][1], "--seed", "2"])
 SPECTRUM_LENGTHS = (128, 256, 512)
 SHORT_RUNS = [name for name, (n, _) in RUNS.items() if n == SHORT]
 # where the finetuned gap comes from: a run finetuned from another of its stages, or with other

@@ -117,6 +117,9 @@ def parse_args():
     g.add_argument("--eval-blocks", type=int, default=50, help="validation blocks for the loss table (default: 50)")
     a("--jobs", type=int, default=1, help="runs at once, each on --threads threads (default: 1)")
     a("--threads", type=int, default=0, help="threads per process, 0 for torch's default")
+    a("--gpu", action="store_true",
+      help="finetune (in the launchers' fp16 mixed precision), linearize, predict and measure fidelity on the "
+           "GPU (--jobs runs share it); no cost is measured (--no-timing: the cost table is the CPU's)")  # fmt: skip
     a("--timing-seconds", type=float, default=10, help="timed updates per run last at least this long (default: 10)")
     a(
         "--no-timing",
@@ -141,6 +144,12 @@ def parse_args():
         p.error("--resample-probs must be in (0, 1]")
     if min(args.linearize_steps) < 0:
         p.error("--linearize-steps must be >= 0")
+    if args.gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error("--gpu: no GPU visible to torch")
+        args.no_timing = True
     if args.timing_seconds <= 0:
         p.error("--timing-seconds must be > 0")
     if any(f < 2 for f in args.factors):

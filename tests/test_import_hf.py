@@ -342,6 +342,33 @@ def test_linearize_trains_the_projections_then_every_weight(tmp_path):
     assert torch.equal(checkpoints.read_checkpoint(out / "checkpoint.pt")["model"][fc1], final[fc1])
 
 
+def test_linearize_fits_the_far_field_offsets_unless_told_to_keep_the_log_count_alone(tmp_path, capsys):
+    """With a band, the transfer and distillation fit each head's far-field offset beside E/F
+    (--far-offset learned); under --far-offset count the offsets stay exactly 0 (the log count
+    alone) while E/F and the other weights still train. The flag needs a band."""
+    original = sharp_tiny_bert(tmp_path / "hf")
+    far = "encoder.sentence_encoder.layers.0.self_attn.local_far_bias"
+    compress = "encoder.sentence_encoder.layers.0.self_attn.compress_k.weight"
+    made = {}
+    for offset in ("learned", "count"):
+        out = tmp_path / offset
+        argv = [original, "--text", TEXT, "--max-positions", N, "--k", 8, "--local-window", 4, "--out", out,
+                "--far-offset", offset, "--transfer-steps", 5, "--transfer-blocks", 8, "--distill-steps", 5,
+                "--valid-blocks", 2, "--no-export"]  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, SCRIPTS / "linearize.py", *map(str, argv)], env=ENV, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        made[offset] = checkpoints.read_checkpoint(out / "checkpoint.pt")["model"]
+    converted = checkpoints.read_checkpoint(tmp_path / "count" / "converted.pt")["model"]
+    assert made["learned"][far].abs().max() > 0 and torch.equal(made["count"][far], torch.zeros_like(converted[far]))
+    assert not torch.equal(made["count"][compress], converted[compress])
+    with pytest.raises(SystemExit):
+        load_script("linearize").parse_args([str(original), "--text", str(TEXT), "--max-positions", "64", "--k",
+                                             "16", "--out", str(tmp_path / "o"), "--far-offset", "count"])  # fmt: skip
+    assert "--far-offset sets the band's far-field offsets: add --local-window" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("n, k, lr", [(128, 16, 1e-3), (512, 128, 1e-3), (2048, 128, 2.5e-4), (2048, 512, 2.5e-4)])
 def test_linearize_lowers_the_projection_lr_as_n_grows_past_512(tmp_path, n, k, lr):
     """E/F's default lr, 1e-3 x min(1, 512/N), does not depend on k: at N = 2048, k = 512 (windows
@@ -378,6 +405,25 @@ def test_linearize_min_tokens_keeps_only_documents_that_long(tmp_path, capsys):
         with pytest.raises(SystemExit):
             script.parse_args([*argv, *extra])
         assert message in capsys.readouterr().err
+
+
+def test_linearize_runs_where_a_gpu_is_and_refuses_a_device_it_cannot_use(tmp_path, monkeypatch, capsys):
+    """--device: cuda when torch sees a GPU, else cpu; one given is kept; a device that does not
+    exist here is refused by name before anything is imported or read."""
+    script = load_script("linearize")
+    argv = [str(tmp_path), "--text", str(TEXT), "--max-positions", "64", "--k", "16", "--out", str(tmp_path / "o")]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert script.parse_args(argv).device == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: None)  # the check that cuda works here
+    assert script.parse_args(argv).device == "cuda"
+    assert script.parse_args([*argv, "--device", "cpu"]).device == "cpu"
+    monkeypatch.undo()
+    unusable = ["gpu0"] + ([] if torch.cuda.is_available() else ["cuda"])
+    for device in unusable:
+        with pytest.raises(SystemExit):
+            script.parse_args([*argv, "--device", device])
+        assert f"--device {device}: " in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -283,3 +283,14 @@ def test_a_study_step_logs_into_a_folder_not_made_yet(tmp_path):
     logfile = tmp_path / "runs" / "first.log"
     sh([sys.executable, "-c", "print('made')"], logfile)
     assert logfile.read_text() == "made\n" and not (tmp_path / "runs" / "first.log.partial").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_the_study_on_a_gpu_refuses_to_start_without_one(tmp_path):
+    """--gpu where torch sees no GPU stops before any step, saying so."""
+    imdb = tmp_path / "imdb.tar.gz"
+    imdb.write_bytes(b"")
+    cmd = [sys.executable, STUDIES / "study_long_documents.py", "--hf-dir", tmp_path, "--imdb", imdb, "--gpu"]
+    refused = subprocess.run([*map(str, cmd), "--out", tmp_path / "out"], capture_output=True, text=True, env=ENV)
+    assert refused.returncode == 2 and "--gpu: no GPU visible to torch" in refused.stderr, refused.stderr
+    assert not (tmp_path / "out").exists()

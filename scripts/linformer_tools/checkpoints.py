@@ -145,7 +145,7 @@ def write_checkpoint(state, ns, model, path, note: dict, max_positions=None):
     out = {
         "args": None,
         "cfg": cfg,
-        "model": model.state_dict(),
+        "model": {name: tensor.cpu() for name, tensor in model.state_dict().items()},  # loads on any machine
         "optimizer_history": [
             {
                 "criterion_name": history.get("criterion_name", "MaskedLmLoss"),

@@ -95,7 +95,7 @@ def continued(args, model, long_n, projections):
         batch = max(1, args.continue_tokens // long_n)
         every = max(1, args.continue_updates // 4)
         sh(
-            [SCRIPTS / "pretrain.sh", "--cpu", "--batch-size", batch, "--global-batch", batch]
+            [SCRIPTS / "pretrain.sh", *launcher_device(args), "--batch-size", batch, "--global-batch", batch]
             + ["--save-dir", out, "--from", start, "extend", args.data_bin]
             + [f"optimization.max_update={args.continue_updates}", f"optimization.lr=[{args.continue_lr}]"]
             + [f"lr_scheduler.warmup_updates={max(1, args.continue_updates // 10)}", "dataset.num_workers=0"]
@@ -150,8 +150,8 @@ def linearized(args, long_n, k, on, steps):
         log(f"linearizing at n={long_n}, k={k}, {steps} steps on {on}")
         out.parent.mkdir(parents=True, exist_ok=True)
         write_text(out.with_suffix(".recipe.json"), json.dumps(recipe) + "\n")
-        sh([sys.executable, SCRIPTS / "linearize.py", args.hf_dir, "--text", args.unlabeled, "--out", out, *recipe],
-           out.with_suffix(".log"), args.threads)  # fmt: skip
+        sh([sys.executable, SCRIPTS / "linearize.py", args.hf_dir, "--text", args.unlabeled, "--out", out, *recipe,
+            "--device", device(args)], out.with_suffix(".log"), args.threads)  # fmt: skip
     return out / "checkpoint.pt"
 
 
@@ -222,7 +222,7 @@ def finetune(args, name, run, seed):
         log(f"{name}: finetuning, seed {seed}")
         out.parent.mkdir(parents=True, exist_ok=True)
         sh(
-            [SCRIPTS / "finetune.sh", "--cpu", "--batch-size", step, "--global-batch", args.batch]
+            [SCRIPTS / "finetune.sh", *launcher_device(args), "--batch-size", step, "--global-batch", args.batch]
             + ["--data", args.imdb_bin, "--seed", seed, "--save-dir", out, "imdb", checkpoint]
             + [f"truncation={run.truncation}", f"++task.truncation_head_tokens={args.n // 4}"]
             + [f"optimization.max_epoch={args.epochs}", f"optimization.max_update={total}"]
@@ -242,9 +242,11 @@ def predict(args, checkpoint):
     """Test reviews as the finetuned model reads them (its truncation): (length, label, correct),
     in the test set's order."""
     import torch
+    from fairseq import utils
     from fairseq.data import data_utils
 
     model, task = load(checkpoint, args.imdb_bin)
+    model.to(device(args))
     task.load_dataset("test")
     dataset = task.datasets["test"]
     reviews = data_utils.load_indexed_dataset(str(args.imdb_bin / "input0" / "test"), task.source_dictionary)
@@ -253,6 +255,7 @@ def predict(args, checkpoint):
     with torch.no_grad():
         for start in range(0, len(dataset), 16):
             sample = dataset.collater([dataset[i] for i in by_length[start : start + 16]])
+            sample = utils.apply_to_sample(lambda tensor: tensor.to(device(args)), sample)
             logits, _ = model(
                 **sample["net_input"], features_only=True, classification_head_name="sentence_classification_head"
             )
@@ -285,7 +288,7 @@ def fidelity_by_length(args, name, run):
         torch.set_num_threads(args.threads)
     log(f"{name}: fidelity on test reviews by length")
     teacher = extended(args, "original", run.reads) if run.reads > args.n else base_checkpoint(args, "original")
-    student, teacher = linearize.load(run.pretrained())[0], linearize.load(teacher)[0]
+    student, teacher = linearize.load(run.pretrained(), device(args))[0], linearize.load(teacher, device(args))[0]
     reviews = test_reviews(args, run.reads)
     found = {}
     for label, keep in length_bins(args.n, args.factors):
@@ -311,6 +314,15 @@ def cost_of(args, name, run):
         cost["seconds_per_update"] *= args.batch // step  # an update is batch // step steps
         write_text(path, json.dumps({**cost, "reviews_per_step": step}))
     return json.loads(path.read_text())
+
+
+def device(args):
+    return "cuda" if args.gpu else "cpu"
+
+
+def launcher_device(args):
+    """The launchers' flags: on the GPU their configs' fp16 mixed precision, on the CPU fp32."""
+    return ["--gpus", "1"] if args.gpu else ["--cpu"]
 
 
 def step_batch(args, reads):

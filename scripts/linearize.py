@@ -257,7 +257,7 @@ def projection_parameters(module, far_offsets=True):
     return [p for name, p in module.named_parameters() if any(part in f".{name}" for part in far)]
 
 
-def far_offsets(module):
+def far_field_offsets(module):
     return [p for name, p in module.named_parameters() if name.endswith("local_far_bias")]
 
 
@@ -355,7 +355,7 @@ def distill(student, teacher, blocks, args, state_path, generator):
     """End-to-end: all weights free (with a band, its far-field offsets fixed under --far-offset
     count), relative squared error of every layer's hidden states."""
     projections = {id(p) for p in projection_parameters(student)}
-    fixed = {id(p) for p in far_offsets(student)} if args.far_offset == "count" else set()
+    fixed = {id(p) for p in far_field_offsets(student)} if args.far_offset == "count" else set()
     free = [p for p in student.parameters() if id(p) not in fixed]
     groups = [
         {"params": [p for p in free if id(p) not in projections], "lr": args.lr},

@@ -43,23 +43,26 @@ def band_inputs(T, R, B=2, H=3, D=4, seed=0):
     return q, k, v, key_real, k_rows, v_rows, rows_real, offset
 
 
+@pytest.mark.parametrize("train", [False, True])
 @pytest.mark.parametrize("T,half,R", [(1, 2, 3), (7, 2, 3), (13, 4, 5), (16, 8, 4), (5, 16, 2), (33, 3, 7), (40, 1, 6)])
-def test_band_matches_the_dense_masked_reference(T, half, R):
-    """Odd lengths, lengths not a multiple of the block, windows wider than the input, padding."""
+def test_band_matches_the_dense_masked_reference(T, half, R, train):
+    """Odd lengths, lengths not a multiple of the block, windows wider than the input, padding;
+    both the training path (a softmax over the concatenated scores) and the inference path."""
     q, k, v, key_real, k_rows, v_rows, rows_real, offset = band_inputs(T, R)
-    got = attend_local_and_projected(q, k, v, key_real, half, k_rows, v_rows, rows_real, offset)
+    got = attend_local_and_projected(q, k, v, key_real, half, k_rows, v_rows, rows_real, offset, train=train)
     expected = dense_band_and_rows(q, k, v, key_real, half, k_rows, v_rows, rows_real, offset)
     torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
-    unmasked = attend_local_and_projected(q, k, v, None, half, k_rows, v_rows, None, offset)
+    unmasked = attend_local_and_projected(q, k, v, None, half, k_rows, v_rows, None, offset, train=train)
     torch.testing.assert_close(unmasked, dense_band_and_rows(q, k, v, None, half, k_rows, v_rows, None, offset))
 
 
-def test_band_gradients_match_finite_differences():
+@pytest.mark.parametrize("train", [False, True])
+def test_band_gradients_match_finite_differences(train):
     q, k, v, key_real, k_rows, v_rows, rows_real, offset = band_inputs(T=9, R=3, B=2, H=2, D=3)
     inputs = [t.requires_grad_() for t in (q, k, v, k_rows, v_rows, offset)]
 
     def band(q, k, v, k_rows, v_rows, offset):
-        return attend_local_and_projected(q, k, v, key_real, 2, k_rows, v_rows, rows_real, offset)
+        return attend_local_and_projected(q, k, v, key_real, 2, k_rows, v_rows, rows_real, offset, train=train)
 
     assert torch.autograd.gradcheck(band, inputs)
 
@@ -110,6 +113,24 @@ def test_module_matches_the_dense_reference_for_every_projection(kind, sharing, 
         expected = module_reference(attn, x, pad_mask)
     real = ~pad_mask.t()
     torch.testing.assert_close(got[real], expected[real], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_module_gradients_match_the_dense_reference(train):
+    n, k, T, W = 64, 8, 61, 16
+    torch.manual_seed(0)
+    attn = LinformerMultiheadAttention(16, 4, LinformerSettings(n, (k,), "headwise", local_window=W), k)
+    attn = attn.double().train(train)
+    pad_mask = torch.arange(T).view(1, T) >= torch.tensor([61, 40, 9]).view(-1, 1)
+    x = torch.randn(T, 3, 16, dtype=torch.float64, requires_grad=True)
+    target = torch.randn(T, 3, 16, dtype=torch.float64) * ~pad_mask.t().unsqueeze(-1)
+    params = [x, *attn.parameters()]
+    grads = torch.autograd.grad((attn(x, key_padding_mask=pad_mask)[0] * target).sum(), params, allow_unused=True)
+    expected = torch.autograd.grad((module_reference(attn, x, pad_mask) * target).sum(), params, allow_unused=True)
+    for (name, _), g, e in zip([("x", x), *attn.named_parameters()], grads, expected):
+        assert (g is None) == (e is None), name
+        if g is not None:
+            torch.testing.assert_close(g, e, atol=1e-10, rtol=1e-8, msg=lambda m: f"{name}: {m}")
 
 
 def test_window_zero_is_the_linformer_and_exact_inputs_get_no_band():
@@ -173,6 +194,16 @@ def test_half_precision_band_tracks_fp32(dtype):
         ref = attn.float()(x.float(), key_padding_mask=pad_mask)[0]
     assert out.dtype == dtype
     assert_within_half_precision(out, ref, ~pad_mask.t(), dtype, max_eps=2.0, mean_eps=0.4)
+
+
+def test_half_precision_band_does_not_overflow_on_large_values():
+    """The output is a weighted mean of the values, so values near fp16's range come back intact
+    (summed before the division by the weights' total they would overflow)."""
+    q, k, v, key_real, k_rows, v_rows, rows_real, offset = band_inputs(T=40, R=6)
+    big = torch.full_like(v, 2e4, dtype=torch.float16), torch.full_like(v_rows, 2e4, dtype=torch.float16)
+    q, k, k_rows, offset = (t.half() for t in (q, k, k_rows, offset))
+    out = attend_local_and_projected(q, k, big[0], key_real, 8, k_rows, big[1], rows_real, offset)
+    torch.testing.assert_close(out, torch.full_like(out, 2e4), rtol=2e-3, atol=0)
 
 
 def test_checkpoint_round_trip_and_clear_errors(tmp_path):

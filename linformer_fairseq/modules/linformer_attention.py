@@ -524,7 +524,7 @@ class LinformerMultiheadAttention(nn.Module):
         count = torch.as_tensor(count, device=x.device, dtype=wide).log().reshape(-1, 1, 1, 1)
         offset = (count + self.local_far_bias.to(wide).view(1, H, 1, 1)).to(q.dtype)
         half = self.local_window // 2
-        return attend_local_and_projected(q, k, v, key_real, half, k_rows, v_rows, kept, offset, dropout)
+        return attend_local_and_projected(q, k, v, key_real, half, k_rows, v_rows, kept, offset, dropout, self.training)
 
 
 def attend(
@@ -558,18 +558,21 @@ def attend_local_and_projected(
     rows_real: Tensor | None,
     rows_offset: Tensor,
     dropout: float = 0.0,
+    train: bool = False,
 ) -> Tensor:
     """One softmax over two sets of keys: the exact ``k``, ``v`` of the positions within
     ``half_window`` of each query, and the R projected rows ``k_rows``, ``v_rows``.
 
     q, k, v: ``B x H x T x D``; key_real: ``B x T``, True where a position may be read in the
     band, or None; k_rows, v_rows: ``B x H x R x D``; rows_real: ``B x R`` or None; rows_offset:
-    added to every row's logit, broadcastable to ``B x H x 1 x 1``. Returns ``B x H x T x D``.
+    added to every row's logit, broadcastable to ``B x H x 1 x 1``; train: the path with the
+    cheaper backward, and the only one that drops weights out (``dropout``). Returns ``B x H x T x D``.
 
     Blockwise, never T x T: the queries are cut into blocks of b = half_window positions, and
     each block reads the b + 2 * half_window keys around it (its band lies inside them), so the
     cost is O(T (3 half_window + R)).
     """
+    assert train or not dropout, f"dropout {dropout} is applied on the train path only"
     B, H, T, D = q.shape
     R = k_rows.size(2)
     half = min(half_window, T - 1)  # a wider band reads nothing more
@@ -592,17 +595,25 @@ def attend_local_and_projected(
         readable = (readable & real.unsqueeze(2)).unsqueeze(1)  # B x 1 x blocks x block x span
     # in place: both are fresh products whose backward does not need them
     band.masked_fill_(~readable, float("-inf"))
-    far = torch.matmul(q, k_rows.transpose(-1, -2)).add_(rows_offset)  # B x H x blocks*block x R
+    far = torch.matmul(q, k_rows.transpose(-1, -2))  # B x H x blocks*block x R
     if rows_real is not None:
         far.masked_fill_(~rows_real.view(B, 1, 1, R), float("-inf"))
-    scores = torch.cat([band, far.view(B, H, blocks, block, R)], dim=-1)
-    # in the scores' own dtype: torch's kernels accumulate half-precision softmax in fp32, and an
-    # fp32 copy of B x H x T x (span + R) would be the layer's largest tensor
-    weights = F.dropout(torch.softmax(scores, dim=-1), dropout, dropout > 0)
-    to_band, to_rows = weights.split([span, R], dim=-1)
-    out = torch.matmul(to_band, windows(v).transpose(-1, -2)).view(B, H, blocks * block, D)
-    out = out + torch.matmul(to_rows.reshape(B, H, blocks * block, R), v_rows)
-    return out[:, :, :T]
+    if train:
+        # in the scores' own dtype: torch's kernels accumulate half-precision softmax in fp32, and an
+        # fp32 copy of B x H x T x (span + R) would be the layer's largest tensor
+        scores = torch.cat([band, far.add_(rows_offset).view(B, H, blocks, block, R)], dim=-1)
+        band, far = F.dropout(torch.softmax(scores, dim=-1), dropout, dropout > 0).split([span, R], dim=-1)
+    else:  # the same softmax without a concatenated copy of every score (1.5x faster, but a slower backward)
+        far, offset = far.view(B, H, blocks, block, R), rows_offset.unsqueeze(-1)
+        # shift both sets by their shared maximum, plus log(span + R) so that the sums, and the
+        # output before it is divided by them, stay within the values' own range (fp16)
+        top = torch.maximum(band.detach().amax(-1, keepdim=True), far.detach().amax(-1, keepdim=True) + offset.detach())
+        top = top + math.log(span + R)  # a constant to the softmax: no gradient flows through it
+        band, far = band.sub_(top).exp_(), far.sub_(top - offset).exp_()
+        total = band.sum(-1, keepdim=True) + far.sum(-1, keepdim=True)
+    out = torch.matmul(band, windows(v).transpose(-1, -2))
+    out = out + torch.matmul(far.reshape(B, H, blocks * block, R), v_rows).view(B, H, blocks, block, D)
+    return (out if train else out / total).view(B, H, blocks * block, D)[:, :, :T]
 
 
 def sentence_lengths(pad_mask: Tensor | None, T: int, B: int, device) -> Tensor:

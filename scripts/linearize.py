@@ -250,15 +250,15 @@ def show(name, fid):
     )
 
 
+def far_field_offsets(module):
+    return [p for name, p in module.named_parameters() if name.endswith("local_far_bias")]
+
+
 def projection_parameters(module, far_offsets=True):
     """E/F, and with a local band the far field's per-head offsets (unless not ``far_offsets``):
     what the transfer fits."""
-    far = (".compress_", ".local_far_bias") if far_offsets else (".compress_",)
-    return [p for name, p in module.named_parameters() if any(part in f".{name}" for part in far)]
-
-
-def far_field_offsets(module):
-    return [p for name, p in module.named_parameters() if name.endswith("local_far_bias")]
+    compress = [p for name, p in module.named_parameters() if ".compress_" in f".{name}"]
+    return compress + far_field_offsets(module) if far_offsets else compress
 
 
 def head_outputs(attention, **kwargs):

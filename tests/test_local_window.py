@@ -117,6 +117,7 @@ def test_module_matches_the_dense_reference_for_every_projection(kind, sharing, 
 
 @pytest.mark.parametrize("train", [False, True])
 def test_module_gradients_match_the_dense_reference(train):
+    """Gradients of the input and every parameter through the module (train and eval paths, padding)."""
     n, k, T, W = 64, 8, 61, 16
     torch.manual_seed(0)
     attn = LinformerMultiheadAttention(16, 4, LinformerSettings(n, (k,), "headwise", local_window=W), k)

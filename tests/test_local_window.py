@@ -43,28 +43,70 @@ def band_inputs(T, R, B=2, H=3, D=4, seed=0):
     return q, k, v, key_real, k_rows, v_rows, rows_real, offset
 
 
-@pytest.mark.parametrize("train", [False, True])
 @pytest.mark.parametrize("T,half,R", [(1, 2, 3), (7, 2, 3), (13, 4, 5), (16, 8, 4), (5, 16, 2), (33, 3, 7), (40, 1, 6)])
-def test_band_matches_the_dense_masked_reference(T, half, R, train):
-    """Odd lengths, lengths not a multiple of the block, windows wider than the input, padding;
-    both the training path (a softmax over the concatenated scores) and the inference path."""
+def test_band_matches_the_dense_masked_reference(T, half, R):
+    """Odd lengths, lengths not a multiple of the block, windows wider than the input, padding."""
     q, k, v, key_real, k_rows, v_rows, rows_real, offset = band_inputs(T, R)
-    got = attend_local_and_projected(q, k, v, key_real, half, k_rows, v_rows, rows_real, offset, train=train)
+    got = attend_local_and_projected(q, k, v, key_real, half, k_rows, v_rows, rows_real, offset)
     expected = dense_band_and_rows(q, k, v, key_real, half, k_rows, v_rows, rows_real, offset)
     torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
-    unmasked = attend_local_and_projected(q, k, v, None, half, k_rows, v_rows, None, offset, train=train)
+    unmasked = attend_local_and_projected(q, k, v, None, half, k_rows, v_rows, None, offset)
     torch.testing.assert_close(unmasked, dense_band_and_rows(q, k, v, None, half, k_rows, v_rows, None, offset))
 
 
-@pytest.mark.parametrize("train", [False, True])
-def test_band_gradients_match_finite_differences(train):
-    q, k, v, key_real, k_rows, v_rows, rows_real, offset = band_inputs(T=9, R=3, B=2, H=2, D=3)
+@pytest.mark.parametrize("T,half", [(9, 2), (8, 1), (4, 6)])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_band_gradients_match_finite_differences(T, half, dropout):
+    """The backward pass recomputes the weights (and reuses the forward pass's dropout mask)."""
+    q, k, v, key_real, k_rows, v_rows, rows_real, offset = band_inputs(T=T, R=3, B=2, H=2, D=3)
     inputs = [t.requires_grad_() for t in (q, k, v, k_rows, v_rows, offset)]
 
     def band(q, k, v, k_rows, v_rows, offset):
-        return attend_local_and_projected(q, k, v, key_real, 2, k_rows, v_rows, rows_real, offset, train=train)
+        torch.manual_seed(0)  # the same dropout mask on every evaluation
+        return attend_local_and_projected(q, k, v, key_real, half, k_rows, v_rows, rows_real, offset, dropout)
 
     assert torch.autograd.gradcheck(band, inputs)
+
+
+def test_band_dropout_keeps_the_expected_output():
+    """Dropout zeroes weights and rescales the rest: averaged over draws, the output is the undropped one."""
+    q, k, v, key_real, k_rows, v_rows, rows_real, offset = band_inputs(T=11, R=4)
+    exact = attend_local_and_projected(q, k, v, key_real, 3, k_rows, v_rows, rows_real, offset)
+    torch.manual_seed(0)
+    draws = torch.stack(
+        [attend_local_and_projected(q, k, v, key_real, 3, k_rows, v_rows, rows_real, offset, 0.5) for _ in range(4000)]
+    )
+    assert (draws[0] - exact).abs().max() > 0.1, "dropout changed nothing"
+    spread = draws.std(0) / math.sqrt(len(draws))
+    assert ((draws.mean(0) - exact).abs() < 5 * spread + 1e-9).all(), "dropout biased the output"
+
+
+def test_band_backward_keeps_no_weights():
+    """Training keeps O(T) numbers a head for the backward pass, not the T x (1.5 W + R) weights
+    (with dropout, one byte a weight for its mask)."""
+    B, H, T, D, R, half = 2, 4, 256, 8, 64, 64
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, D, generator=g, requires_grad=True) for _ in range(3))
+    k_rows, v_rows = (torch.randn(B, H, R, D, generator=g, requires_grad=True) for _ in range(2))
+    offset = torch.zeros(1, H, 1, 1, requires_grad=True)
+    leaves = {t.untyped_storage().data_ptr() for t in (q, k, v, k_rows, v_rows, offset)}
+
+    def kept_bytes(dropout):
+        saved = {}
+
+        def keep(t):
+            if t.untyped_storage().data_ptr() not in leaves:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            out = attend_local_and_projected(q, k, v, None, half, k_rows, v_rows, None, offset, dropout)
+        out.sum().backward()
+        return sum(saved.values())
+
+    weights = B * H * T * (3 * half + R) * 4
+    assert kept_bytes(0.0) < weights / 8, f"{kept_bytes(0.0)} bytes kept, the fp32 weights are {weights}"
+    assert kept_bytes(0.1) - kept_bytes(0.0) <= weights / 4, "more than a byte a weight kept for dropout"
 
 
 def module_reference(attn, x, pad_mask):
@@ -115,13 +157,12 @@ def test_module_matches_the_dense_reference_for_every_projection(kind, sharing, 
     torch.testing.assert_close(got[real], expected[real], atol=1e-12, rtol=0)
 
 
-@pytest.mark.parametrize("train", [False, True])
-def test_module_gradients_match_the_dense_reference(train):
-    """Gradients of the input and every parameter through the module (train and eval paths, padding)."""
+def test_module_gradients_match_the_dense_reference():
+    """Gradients of the input and every parameter through the module, with padding."""
     n, k, T, W = 64, 8, 61, 16
     torch.manual_seed(0)
     attn = LinformerMultiheadAttention(16, 4, LinformerSettings(n, (k,), "headwise", local_window=W), k)
-    attn = attn.double().train(train)
+    attn = attn.double()
     pad_mask = torch.arange(T).view(1, T) >= torch.tensor([61, 40, 9]).view(-1, 1)
     x = torch.randn(T, 3, 16, dtype=torch.float64, requires_grad=True)
     target = torch.randn(T, 3, 16, dtype=torch.float64) * ~pad_mask.t().unsqueeze(-1)
@@ -195,6 +236,30 @@ def test_half_precision_band_tracks_fp32(dtype):
         ref = attn.float()(x.float(), key_padding_mask=pad_mask)[0]
     assert out.dtype == dtype
     assert_within_half_precision(out, ref, ~pad_mask.t(), dtype, max_eps=2.0, mean_eps=0.4)
+
+
+def test_band_trains_under_autocast():
+    """fairseq's --amp: the band runs in the autocast dtype, and its gradients track fp32's (with
+    per-head projections the band's keys come out in fp32 beside bf16 queries)."""
+    torch.manual_seed(0)
+    attn = attention(64, 4, 32, 8, sharing="none", init="xavier", length_norm="resample", local_window=8)
+    T, lengths = 27, torch.tensor([27, 17])
+    pad_mask = torch.arange(T).unsqueeze(0) >= lengths.unsqueeze(1)
+    x = torch.randn(T, 2, 64)
+    grads = []
+    for autocast in (False, True):
+        attn.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = attn(x, key_padding_mask=pad_mask)[0]
+        assert out.dtype == (torch.bfloat16 if autocast else torch.float32)
+        (out.float() * ~pad_mask.t().unsqueeze(-1)).square().sum().backward()
+        grads.append({n: p.grad.clone() for n, p in attn.named_parameters() if p.grad is not None})
+    fp32, bf16 = grads
+    assert fp32.keys() == bf16.keys() and "local_far_bias" in fp32
+    del fp32["k_proj.bias"]  # 0 but for rounding: it shifts every logit of a query alike
+    for name, grad in fp32.items():
+        error = (bf16[name] - grad).norm() / grad.norm()
+        assert error < 0.05, f"{name}: relative error {error:.3f} under autocast"
 
 
 def test_half_precision_band_does_not_overflow_on_large_values():

@@ -524,7 +524,7 @@ class LinformerMultiheadAttention(nn.Module):
         count = torch.as_tensor(count, device=x.device, dtype=wide).log().reshape(-1, 1, 1, 1)
         offset = (count + self.local_far_bias.to(wide).view(1, H, 1, 1)).to(q.dtype)
         half = self.local_window // 2
-        return attend_local_and_projected(q, k, v, key_real, half, k_rows, v_rows, kept, offset, dropout, self.training)
+        return attend_local_and_projected(q, k, v, key_real, half, k_rows, v_rows, kept, offset, dropout)
 
 
 def attend(
@@ -558,33 +558,25 @@ def attend_local_and_projected(
     rows_real: Tensor | None,
     rows_offset: Tensor,
     dropout: float = 0.0,
-    train: bool = False,
 ) -> Tensor:
     """One softmax over two sets of keys: the exact ``k``, ``v`` of the positions within
     ``half_window`` of each query, and the R projected rows ``k_rows``, ``v_rows``.
 
     q, k, v: ``B x H x T x D``; key_real: ``B x T``, True where a position may be read in the
     band, or None; k_rows, v_rows: ``B x H x R x D``; rows_real: ``B x R`` or None; rows_offset:
-    added to every row's logit, broadcastable to ``B x H x 1 x 1``; train: the path with the
-    cheaper backward, and the only one that drops weights out (``dropout``). Returns ``B x H x T x D``.
+    added to every row's logit, broadcastable to ``B x H x 1 x 1``; dropout: the probability of
+    dropping a weight. Returns ``B x H x T x D``.
 
     Blockwise, never T x T: the queries are cut into blocks of b = half_window positions, and
     each block reads the b + 2 * half_window keys around it (its band lies inside them), so the
-    cost is O(T (3 half_window + R)).
+    cost is O(T (3 half_window + R)). The backward pass recomputes the weights from the scores'
+    maximum and sum, so training keeps O(T) numbers a head, not the T x (3 half_window + R) weights.
     """
-    assert train or not dropout, f"dropout {dropout} is applied on the train path only"
-    B, H, T, D = q.shape
-    R = k_rows.size(2)
+    T = q.size(2)
     half = min(half_window, T - 1)  # a wider band reads nothing more
     block = max(half, 1)
     blocks = -(-T // block)
     span, tail = block + 2 * half, blocks * block - T
-    q = F.pad(q * D**-0.5, (0, 0, 0, tail))  # B x H x blocks*block x D
-
-    def windows(t: Tensor) -> Tensor:  # B x H x T x D -> B x H x blocks x D x span: a view of the padded t
-        return F.pad(t, (0, 0, half, tail + half)).unfold(2, span, block)
-
-    band = torch.matmul(q.view(B, H, blocks, block, D), windows(k))  # B x H x blocks x block x span
     query_at = torch.arange(blocks * block, device=q.device).view(blocks, block, 1)
     key_at = (torch.arange(blocks, device=q.device) * block - half).view(blocks, 1, 1) + torch.arange(
         span, device=q.device
@@ -593,27 +585,115 @@ def attend_local_and_projected(
     if key_real is not None:
         real = F.pad(key_real, (half, tail + half), value=False).unfold(1, span, block)  # B x blocks x span
         readable = (readable & real.unsqueeze(2)).unsqueeze(1)  # B x 1 x blocks x block x span
-    # in place: both are fresh products whose backward does not need them
-    band.masked_fill_(~readable, float("-inf"))
-    far = torch.matmul(q, k_rows.transpose(-1, -2))  # B x H x blocks*block x R
     if rows_real is not None:
-        far.masked_fill_(~rows_real.view(B, 1, 1, R), float("-inf"))
-    if train:
-        # in the scores' own dtype: torch's kernels accumulate half-precision softmax in fp32, and an
-        # fp32 copy of B x H x T x (span + R) would be the layer's largest tensor
-        scores = torch.cat([band, far.add_(rows_offset).view(B, H, blocks, block, R)], dim=-1)
-        band, far = F.dropout(torch.softmax(scores, dim=-1), dropout, dropout > 0).split([span, R], dim=-1)
-    else:  # the same softmax without a concatenated copy of every score (1.5x faster, but a slower backward)
-        far, offset = far.view(B, H, blocks, block, R), rows_offset.unsqueeze(-1)
+        rows_real = rows_real.view(-1, 1, 1, rows_real.size(-1))
+    # one dtype throughout, q's (under autocast, the autocast dtype its projection ran in): the
+    # backward pass's products then match the forward pass's, which autocast does not reach
+    k, v, k_rows, v_rows, rows_offset = (t.to(q.dtype) for t in (k, v, k_rows, v_rows, rows_offset))
+    with torch.autocast(q.device.type, enabled=False):
+        return BandAndRows.apply(q, k, v, k_rows, v_rows, rows_offset, readable, rows_real, half, dropout)
+
+
+class BandAndRows(torch.autograd.Function):
+    """``attend_local_and_projected`` once its band's geometry is known: readable (``blocks x block
+    x span``, or ``B x 1 x`` that) is True where a query of a block may read a key of its span."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, k_rows, v_rows, rows_offset, readable, rows_real, half: int, dropout: float):
+        B, H, T, D = q.shape
+        blocks, block, span = readable.shape[-3:]
+        q = F.pad(q * D**-0.5, (0, 0, 0, blocks * block - T))
+        band, far = _band_and_row_scores(q, k, k_rows, rows_offset, readable, rows_real, half)
         # shift both sets by their shared maximum, plus log(span + R) so that the sums, and the
         # output before it is divided by them, stay within the values' own range (fp16)
-        top = torch.maximum(band.detach().amax(-1, keepdim=True), far.detach().amax(-1, keepdim=True) + offset.detach())
-        top = top + math.log(span + R)  # a constant to the softmax: no gradient flows through it
-        band, far = band.sub_(top).exp_(), far.sub_(top - offset).exp_()
+        top = torch.maximum(band.amax(-1, keepdim=True), far.amax(-1, keepdim=True)) + math.log(span + k_rows.size(2))
+        band, far = band.sub_(top).exp_(), far.sub_(top).exp_()
         total = band.sum(-1, keepdim=True) + far.sum(-1, keepdim=True)
-    out = torch.matmul(band, windows(v).transpose(-1, -2))
-    out = out + torch.matmul(far.reshape(B, H, blocks * block, R), v_rows).view(B, H, blocks, block, D)
-    return (out if train else out / total).view(B, H, blocks * block, D)[:, :, :T]
+        keep_band = keep_far = None
+        if dropout > 0:  # kept as bytes for the backward pass: a quarter of the weights' fp32 size
+            keep_band, keep_far = (
+                torch.empty_like(t, dtype=torch.uint8).bernoulli_(1 - dropout).bool() for t in (band, far)
+            )
+            band, far = band.mul_(keep_band), far.mul_(keep_far)
+            total = total * (1 - dropout)
+        out = _weighted_values(band, far, v, v_rows, half) / total
+        out = out.view(B, H, blocks * block, D)[:, :, :T].contiguous()
+        ctx.save_for_backward(
+            q, k, v, k_rows, v_rows, rows_offset, readable, rows_real, top, total, out, keep_band, keep_far
+        )
+        ctx.half, ctx.dropout = half, dropout
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        q, k, v, k_rows, v_rows, rows_offset, readable, rows_real, top, total, out, keep_band, keep_far = (
+            ctx.saved_tensors
+        )
+        half, B, H, T, D = ctx.half, *out.shape
+        blocks, block, span = readable.shape[-3:]
+        band, far = _band_and_row_scores(q, k, k_rows, rows_offset, readable, rows_real, half)
+        # the weights p / (1 - dropout), from the forward pass's shift and sums
+        band, far = band.sub_(top).exp_().div_(total), far.sub_(top).exp_().div_(total).view(B, H, blocks * block, -1)
+        grad = F.pad(grad, (0, 0, 0, blocks * block - T))  # B x H x blocks*block x D
+        grad_blocks = grad.view(B, H, blocks, block, D)
+        dropped_band, dropped_far = (
+            (band, far) if keep_band is None else (band * keep_band, far * keep_far.view_as(far))
+        )
+        grad_v = _fold_windows(dropped_band.transpose(-1, -2) @ grad_blocks, half, T)
+        grad_v_rows = dropped_far.transpose(-1, -2) @ grad
+        del dropped_band, dropped_far
+        # the softmax's backward, ds = p (dp - sum(p dp)), with sum(p dp) = the row's grad . out; the
+        # weights here are p / (1 - dropout) and dp = keep * (grad . value) / (1 - dropout)
+        along = F.pad((grad[:, :, :T] * out).sum(-1, keepdim=True), (0, 0, 0, blocks * block - T)) * (1 - ctx.dropout)
+        band_scores = grad_blocks @ _windows(v, half, block, span)
+        row_scores = grad @ v_rows.transpose(-1, -2)
+        if keep_band is not None:
+            band_scores, row_scores = band_scores.mul_(keep_band), row_scores.mul_(keep_far.view_as(row_scores))
+        band_scores = band_scores.sub_(along.view(B, H, blocks, block, 1)).mul_(band)
+        row_scores = row_scores.sub_(along).mul_(far)
+        grad_offset = row_scores.sum((-1, -2), keepdim=True).sum_to_size(rows_offset.shape)
+        grad_q = band_scores @ _windows(k, half, block, span).transpose(-1, -2)
+        grad_q = (grad_q.view(B, H, blocks * block, D) + row_scores @ k_rows)[:, :, :T] * D**-0.5
+        grad_k = _fold_windows(band_scores.transpose(-1, -2) @ q.view(B, H, blocks, block, D), half, T)
+        grad_k_rows = row_scores.transpose(-1, -2) @ q
+        return grad_q, grad_k, grad_v, grad_k_rows, grad_v_rows, grad_offset, None, None, None, None
+
+
+def _windows(t: Tensor, half: int, block: int, span: int) -> Tensor:
+    """``B x H x T x D`` -> ``B x H x blocks x D x span``: each block's span, a view of the padded t."""
+    blocks = -(-t.size(2) // block)
+    return F.pad(t, (0, 0, half, blocks * block - t.size(2) + half)).unfold(2, span, block)
+
+
+def _fold_windows(windows: Tensor, half: int, T: int) -> Tensor:
+    """The adjoint of ``_windows``: ``B x H x blocks x span x D`` summed back onto ``B x H x T x D``."""
+    B, H, blocks, span, D = windows.shape
+    block = max(half, 1)
+    folded = windows.new_zeros(B, H, (blocks - 1) * block + span, D)
+    for start in range(0, span, block):  # the span is 1 or 3 blocks: each block of it lands on its own place
+        folded[:, :, start : start + blocks * block] += windows[:, :, :, start : start + block].reshape(B, H, -1, D)
+    return folded[:, :, half : half + T]
+
+
+def _band_and_row_scores(q, k, k_rows, rows_offset, readable, rows_real, half: int):
+    """The scaled, padded queries' logits over their band (``B x H x blocks x block x span``,
+    -inf where unreadable) and over the rows (``B x H x blocks x block x R``, offset added)."""
+    B, H, _, D = q.shape
+    blocks, block, span = readable.shape[-3:]
+    band = torch.matmul(q.view(B, H, blocks, block, D), _windows(k, half, block, span))
+    band.masked_fill_(~readable, float("-inf"))
+    far = torch.matmul(q, k_rows.transpose(-1, -2)).add_(rows_offset)
+    if rows_real is not None:
+        far.masked_fill_(~rows_real, float("-inf"))
+    return band, far.view(B, H, blocks, block, -1)
+
+
+def _weighted_values(band: Tensor, far: Tensor, v: Tensor, v_rows: Tensor, half: int) -> Tensor:
+    """The band's and the rows' weights times their values: ``B x H x blocks x block x D``."""
+    B, H, blocks, block, span = band.shape
+    out = torch.matmul(band, _windows(v, half, block, span).transpose(-1, -2))
+    return out + torch.matmul(far.view(B, H, blocks * block, -1), v_rows).view(B, H, blocks, block, -1)
 
 
 def sentence_lengths(pad_mask: Tensor | None, T: int, B: int, device) -> Tensor:

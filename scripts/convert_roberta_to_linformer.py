@@ -84,7 +84,7 @@ def linformer_namespace(roberta_ns, args) -> argparse.Namespace:
     ns.layer_compressed_dims = args.layer_compressed_dims or ""
     ns.compress_sharing, ns.compress_type = args.compress_sharing, args.compress_type
     ns.compress_length_norm = args.compress_length_norm
-    ns.local_window = args.local_window
+    ns.local_window, ns.local_count_once = args.local_window, args.local_count_once
     ns.compress_init = {"avg": "mean", "normal": "normal", "xavier": "xavier"}.get(args.init, "normal")
     ns.shared_kv_compressed = ns.shared_layer_kv_compressed = 0
     return ns  # build_model checks it
@@ -219,6 +219,9 @@ def parse_args(argv=None):
     parser.add_argument("--local-window", type=int, default=0,
                         help="W: each query also reads the exact keys and values of its W nearest positions (W/2 "
                              "each side), beside the k projected rows (default: 0, none)")  # fmt: skip
+    parser.add_argument("--local-count-once", action="store_true",
+                        help="with --local-window: each row stands only for the tokens of its window outside the "
+                             "query's band (linformer_roberta.py --help)")  # fmt: skip
     parser.add_argument("--init", choices=INITS, default=None, help="how linear projections start (default: avg)")
     parser.add_argument(
         "--key-scale",
@@ -249,6 +252,8 @@ def parse_args(argv=None):
         parser.error("--compressed-dim must be >= 1")
     if args.local_window < 0 or args.local_window % 2:
         parser.error(f"--local-window must be an even number >= 0, got {args.local_window}")
+    if args.local_count_once and not args.local_window:
+        parser.error("--local-count-once recounts the projected rows beside a band: add --local-window")
     checkpoints.check_continuation_args(parser, args)
     if Path(args.output).resolve() == Path(args.roberta).resolve():
         parser.error("the output would overwrite the input checkpoint")
@@ -280,7 +285,8 @@ def main(argv=None):
     start = args.init if ns.compress_type == "linear" else {"conv": "mean pooling"}.get(ns.compress_type, "no weights")
     print(f"wrote {args.output}: {ns.encoder_layers} layers, n={ns.max_positions}, "
           f"k={ns.layer_compressed_dims or ns.compressed_dim}, {ns.compress_sharing} {ns.compress_type} projections "
-          f"({start}, key scales {', '.join(f'{s:g}' for s in scales)}), local window {ns.local_window}; "
+          f"({start}, key scales {', '.join(f'{s:g}' for s in scales)}), local window {ns.local_window}"
+          f"{' (counted once)' if ns.local_count_once else ''}; "
           "every RoBERTa weight copied")  # fmt: skip
 
     rows = {}

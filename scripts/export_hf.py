@@ -160,6 +160,7 @@ def hf_config(model, kind, args, head_name, labels, mask_token_id):
             compress_init=s.init,
             freeze_compress=s.freeze,
             local_window=s.local_window,
+            local_count_once=s.local_count_once,
             ffn_chunk_size=s.ffn_chunk_size,
         )
     else:

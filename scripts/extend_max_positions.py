@@ -25,7 +25,8 @@ Projections (Linformer only), by ``--projections``:
             the same way. Outputs on short inputs change.
 
 ``--local-window W`` gives a Linformer an exact local band of W neighbours beside its projections
-(its far-field offsets start at 0, or keep the checkpoint's), at n or at n'.
+(its far-field offsets start at 0, or keep the checkpoint's), at n or at n'. ``--local-count-once
+1`` makes its projected rows leave out the tokens the band reads (0: count them again, as before).
 
 ``--compress-length-norm MODE`` also switches a Linformer's linear projections to another
 length handling (what an input shorter than n' does with E) before any extension; without
@@ -136,19 +137,30 @@ def switch_length_norm(model, ns, mode: str):
     ns.compress_length_norm = mode
 
 
-def with_local_window(model, ns, window: int | None, vocab: int):
-    """``model`` rebuilt with a local band of ``window`` (None: as it is), ``ns`` set to match."""
-    if window is None:
+def with_local_window(model, ns, window: int | None, count_once: int | None, vocab: int):
+    """``model`` rebuilt with a local band of ``window`` and its rows counted once or not
+    (``count_once``; None: as it is), ``ns`` set to match."""
+    if window is None and count_once is None:
         return model
-    ns.local_window = window
+    set_local_band(ns, window, count_once)
     banded = checkpoints.build_model(ns, vocab)
     weights = model.state_dict()
-    if not window:
+    if window == 0:  # the band's far-field offsets go with it
         weights = {key: value for key, value in weights.items() if not key.endswith(".local_far_bias")}
     missing = checkpoints.load_weights(banded, weights)
     if missing:
         fail(f"cannot map the weights onto the model with a band: missing {', '.join(missing[:5])}")
     return banded
+
+
+def set_local_band(ns, window: int | None, count_once: int | None):
+    """The namespace's band set to ``window`` and ``count_once`` where given (a removed band is not recounted)."""
+    if window is not None:
+        ns.local_window = window
+    if count_once is not None:
+        ns.local_count_once = bool(count_once)
+    if not getattr(ns, "local_window", 0):
+        ns.local_count_once = False
 
 
 def extend(state, kind: str, args):
@@ -159,9 +171,15 @@ def extend(state, kind: str, args):
     args.max_positions = args.max_positions or n
     if args.compress_length_norm and kind != "linformer":
         fail(f"--compress-length-norm applies to Linformer checkpoints, not a {kind}")
-    if args.local_window is not None and kind != "linformer":
-        fail(f"--local-window applies to Linformer checkpoints, not a {kind}")
-    switches = args.compress_length_norm or args.local_window is not None
+    band = args.local_window is not None or args.local_count_once is not None
+    if band and kind != "linformer":
+        flag = "--local-window" if args.local_window is not None else "--local-count-once"
+        fail(f"{flag} applies to Linformer checkpoints, not a {kind}")
+    if args.local_count_once and not (
+        getattr(ns, "local_window", 0) if args.local_window is None else args.local_window
+    ):
+        fail("--local-count-once 1 recounts the projected rows beside a band: the model has none, add --local-window")
+    switches = args.compress_length_norm or band
     if args.max_positions == n and not switches or args.max_positions < n and kind != "roberta":
         longer = "larger than" if kind != "roberta" else "other than"
         fail(f"--max-positions {args.max_positions} must be {longer} the checkpoint's n={n}")
@@ -177,13 +195,12 @@ def extend(state, kind: str, args):
         source = copy.deepcopy(old)
         switch_length_norm(source, ns, args.compress_length_norm)
     if args.max_positions == n:
-        return with_local_window(source, ns, args.local_window, vocab), ns, old, n
+        return with_local_window(source, ns, args.local_window, args.local_count_once, vocab), ns, old, n
     dims = None
     if kind == "linformer":
         dims = new_compressed_dims(source, n, args.max_positions, args.projections, args.compressed_dim)
     new_ns = extended_namespace(ns, kind, args.max_positions, dims)
-    if args.local_window is not None:
-        new_ns.local_window = args.local_window
+    set_local_band(new_ns, args.local_window, args.local_count_once)
     new = checkpoints.build_model(new_ns, vocab)
 
     weights = source.state_dict()
@@ -224,6 +241,13 @@ def parse_args(argv=None):
         "linformer_roberta.py --help)",
     )
     parser.add_argument(
+        "--local-count-once",
+        type=int,
+        choices=(0, 1),
+        help="1: the band's tokens are left out of the projected rows' counts; 0: counted in them again, as "
+        "before (linformer_roberta.py --help)",
+    )
+    parser.add_argument(
         "--projections",
         choices=("periodic", "stretch"),
         default="periodic",
@@ -240,7 +264,11 @@ def parse_args(argv=None):
     checkpoints.add_continuation_args(parser)
     args = parser.parse_args(argv)
     if args.max_positions is None and not args.compress_length_norm and args.local_window is None:
-        parser.error("nothing to do: give --max-positions, --compress-length-norm, --local-window or several")
+        if args.local_count_once is None:
+            parser.error(
+                "nothing to do: give --max-positions, --compress-length-norm, --local-window, --local-count-once "
+                "or several"
+            )
     if args.local_window is not None and (args.local_window < 0 or args.local_window % 2):
         parser.error(f"--local-window must be an even number >= 0, got {args.local_window}")
     if args.max_positions is not None and args.max_positions < 1 or args.compressed_dim < 0:
@@ -265,6 +293,7 @@ def main(argv=None):
     checkpoints.write_checkpoint(state, ns, model, args.output, note, max_positions=(n, args.max_positions))
     switched = f"; compress length norm {args.compress_length_norm}" if args.compress_length_norm else ""
     switched += f"; local window {args.local_window}" if args.local_window is not None else ""
+    switched += f"; local count once {args.local_count_once}" if args.local_count_once is not None else ""
     if args.max_positions == n:
         names = {v: k for k, v in LENGTH_NORM_POWERS.items()}
         was = {names[m.length_power] for m in old.modules() if isinstance(m, SequenceProjection) and m.kind == "linear"}

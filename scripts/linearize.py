@@ -437,6 +437,9 @@ def parse_args(argv=None):
                         help="with --local-window: each projected row's logit gets log(tokens it stands for) "
                              "plus a per-head offset that the transfer and distillation fit (learned), or the "
                              "log count alone, the offsets kept at 0 (count) (default: learned)")  # fmt: skip
+    parser.add_argument("--local-count-once", action="store_true",
+                        help="with --local-window: each row stands only for the tokens of its window outside the "
+                             "query's band, so the band's tokens are not counted again in the rows")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="folder of the run (a rerun resumes it)")
     g = parser.add_argument_group("attention transfer (stage 1)")
     g.add_argument("--transfer-steps", type=int, default=100, help="Adam steps per layer (default: 100; 0 skips)")
@@ -491,6 +494,8 @@ def parse_args(argv=None):
         parser.error(f"--local-window must be an even number >= 0, got {args.local_window}")
     if args.far_offset != "learned" and not args.local_window:
         parser.error("--far-offset sets the band's far-field offsets: add --local-window")
+    if args.local_count_once and not args.local_window:
+        parser.error("--local-count-once recounts the projected rows beside a band: add --local-window")
     if args.min_tokens and not args.documents:
         parser.error("--min-tokens needs --documents (blocks of running text are all N tokens long)")
     if not 0 <= args.min_tokens <= args.max_positions:
@@ -549,6 +554,7 @@ def main(argv=None):
     if args.compress_type == "linear":
         convert += ["--init", args.init]
     convert += ["--key-scale", args.key_scale, "--local-window", args.local_window]
+    convert += ["--local-count-once"] if args.local_count_once else []
     if args.layer_compressed_dims:
         convert += ["--layer-compressed-dims", args.layer_compressed_dims]
     step(convert, out / "converted.pt", "conversion")

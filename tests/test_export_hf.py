@@ -175,6 +175,8 @@ OPTIONS = {
     "local band, exact": ["--compressed-dim", "16", "--local-window", "8", "--compress-length-norm", "exact"],
     "local band, layerwise conv": ["--compressed-dim", "16", "--local-window", "6", "--compress-type", "conv",
                                    "--compress-sharing", "layerwise"],
+    "local band counted once, resample": ["--compressed-dim", "16", "--local-window", "8", "--compress-length-norm",
+                                          "resample", "--local-count-once"],
 }  # fmt: skip
 
 
@@ -185,6 +187,7 @@ def test_per_layer_k_frozen_projections_and_other_options_export(name, spm_dir, 
     mlm = assert_same_as_hub(tmp_path / "hf", hub(ckpt, spm_dir, spm_dir), lines)
     config = mlm.config
     assert config.local_window == (int(OPTIONS[name][3]) if "band" in name else 0)
+    assert config.local_count_once == ("--local-count-once" in OPTIONS[name])
     if "per-layer" in name:
         assert config.compressed_dims == [int(k) for k in OPTIONS[name][1].split(",")]
     if "legacy" in name:

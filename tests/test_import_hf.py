@@ -345,7 +345,8 @@ def test_linearize_trains_the_projections_then_every_weight(tmp_path):
 def test_linearize_fits_the_far_field_offsets_unless_told_to_keep_the_log_count_alone(tmp_path, capsys):
     """With a band, the transfer and distillation fit each head's far-field offset beside E/F
     (--far-offset learned); under --far-offset count the offsets stay exactly 0 (the log count
-    alone) while E/F and the other weights still train. The flag needs a band."""
+    alone) while E/F and the other weights still train. The flag needs a band, as does
+    --local-count-once, which the learned run adds and its checkpoints keep."""
     original = sharp_tiny_bert(tmp_path / "hf")
     far = "encoder.sentence_encoder.layers.0.self_attn.local_far_bias"
     compress = "encoder.sentence_encoder.layers.0.self_attn.compress_k.weight"
@@ -355,11 +356,14 @@ def test_linearize_fits_the_far_field_offsets_unless_told_to_keep_the_log_count_
         argv = [original, "--text", TEXT, "--max-positions", N, "--k", 8, "--local-window", 4, "--out", out,
                 "--far-offset", offset, "--transfer-steps", 5, "--transfer-blocks", 8, "--distill-steps", 5,
                 "--valid-blocks", 2, "--no-export"]  # fmt: skip
+        argv += ["--local-count-once"] if offset == "learned" else []
         done = subprocess.run(
             [sys.executable, SCRIPTS / "linearize.py", *map(str, argv)], env=ENV, capture_output=True, text=True
         )
         assert done.returncode == 0, done.stderr[-3000:]
-        made[offset] = checkpoints.read_checkpoint(out / "checkpoint.pt")["model"]
+        final = checkpoints.read_checkpoint(out / "checkpoint.pt")
+        assert checkpoints.model_namespace(final).local_count_once == (offset == "learned")
+        made[offset] = final["model"]
     converted = checkpoints.read_checkpoint(tmp_path / "count" / "converted.pt")["model"]
     assert made["learned"][far].abs().max() > 0 and torch.equal(made["count"][far], torch.zeros_like(converted[far]))
     assert not torch.equal(made["count"][compress], converted[compress])
@@ -367,6 +371,12 @@ def test_linearize_fits_the_far_field_offsets_unless_told_to_keep_the_log_count_
         load_script("linearize").parse_args([str(original), "--text", str(TEXT), "--max-positions", "64", "--k",
                                              "16", "--out", str(tmp_path / "o"), "--far-offset", "count"])  # fmt: skip
     assert "--far-offset sets the band's far-field offsets: add --local-window" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load_script("linearize").parse_args([str(original), "--text", str(TEXT), "--max-positions", "64", "--k",
+                                             "16", "--out", str(tmp_path / "o"), "--local-count-once"])  # fmt: skip
+    assert "--local-count-once recounts the projected rows beside a band: add --local-window" in (
+        capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize("n, k, lr", [(128, 16, 1e-3), (512, 128, 1e-3), (2048, 128, 2.5e-4), (2048, 512, 2.5e-4)])

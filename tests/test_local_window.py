@@ -1,23 +1,25 @@
 """--local-window: an exact local band beside the projection, in one softmax. Numerics against
 a dense masked reference in float64 (odd lengths, padding, windows wider than the input),
 gradients, every projection, exact inputs, half precision, activation checkpointing, and
-checkpoints."""
+checkpoints; --local-count-once's recount of the rows against counted positions."""
 
 import itertools
 import math
+from fractions import Fraction
 
 import pytest
 import torch
 from test_linformer_model import HALF, assert_within_half_precision, attention, build_model, features, tokens
 
 from linformer_fairseq.modules import COMPRESS_SHARING, COMPRESS_TYPES, LinformerMultiheadAttention, LinformerSettings
-from linformer_fairseq.modules.linformer_attention import attend_local_and_projected, projection
+from linformer_fairseq.modules.linformer_attention import attend_local_and_projected, projection, rows_outside_band
 
 PAD = 1
 
 
-def dense_band_and_rows(q, k, v, key_real, half, k_rows, v_rows, rows_real, offset):
-    """The reference: the full T x T scores masked to |i - j| <= half, beside the rows' scores."""
+def dense_band_and_rows(q, k, v, key_real, half, k_rows, v_rows, rows_real, offset, share=None):
+    """The reference: the full T x T scores masked to |i - j| <= half, beside the rows' scores
+    (plus ``share``, ``B x 1 x T x R``, when given)."""
     T, D = q.size(2), q.size(3)
     at = torch.arange(T)
     readable = ((at.view(T, 1) - at.view(1, T)).abs() <= half).view(1, 1, T, T)
@@ -25,6 +27,8 @@ def dense_band_and_rows(q, k, v, key_real, half, k_rows, v_rows, rows_real, offs
         readable = readable & key_real.view(-1, 1, 1, T)
     band = (q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(~readable, -math.inf)
     rows = q @ k_rows.transpose(-1, -2) / math.sqrt(D) + offset
+    if share is not None:
+        rows = rows + share
     if rows_real is not None:
         rows = rows.masked_fill(~rows_real.view(rows_real.size(0), 1, 1, -1), -math.inf)
     weights = torch.softmax(torch.cat([band, rows], -1), -1)
@@ -54,6 +58,57 @@ def test_band_matches_the_dense_masked_reference(T, half, R):
     torch.testing.assert_close(unmasked, dense_band_and_rows(q, k, v, None, half, k_rows, v_rows, None, offset))
 
 
+def random_share(T, R, B=2, seed=1):
+    """A stand-in for the recount: the log of a share in (0, 1], and -inf for some rows."""
+    g = torch.Generator().manual_seed(seed)
+    share = torch.rand(B, 1, T, R, generator=g, dtype=torch.float64).log()
+    return share.masked_fill(torch.rand(B, 1, T, R, generator=g) < 0.2, -math.inf)
+
+
+@pytest.mark.parametrize("T,half,R", [(7, 2, 3), (13, 4, 5), (5, 16, 2), (40, 1, 6)])
+def test_band_with_the_rows_recounted_matches_the_dense_reference(T, half, R):
+    q, k, v, key_real, k_rows, v_rows, rows_real, offset = band_inputs(T, R)
+    share = random_share(T, R)
+    got = attend_local_and_projected(q, k, v, key_real, half, k_rows, v_rows, rows_real, offset, 0.0, share)
+    expected = dense_band_and_rows(q, k, v, key_real, half, k_rows, v_rows, rows_real, offset, share)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+
+
+def counted_share(length: int, width: Fraction, rows: int, half: int, T: int):
+    """rows_outside_band by counting: the share of row r's window [r w, (r + 1) w) that query i's
+    band [i - half, i + half] does not read among the L real positions, in steps of 1/d (w = m/d)."""
+    m, d = width.numerator, width.denominator
+    share = torch.empty(T, rows, dtype=torch.float64)
+    for i, r in itertools.product(range(T), range(rows)):
+        window = set(range(r * m, (r + 1) * m))
+        band = set(range(d * max(0, i - half), d * min(length, i + half + 1)))
+        share[i, r] = len(window - band) / m
+    return share.log()
+
+
+@pytest.mark.parametrize("length,width,rows,half,T", [(20, 4, 8, 3, 24), (9, 2, 8, 0, 12), (30, 5, 6, 40, 30)])
+def test_rows_outside_band_counts_the_positions_the_band_leaves(length, width, rows, half, T):
+    """Windows of n/k positions (past the sentence too), a band wider than the input, half = 0."""
+    got = rows_outside_band(torch.tensor([length]), torch.tensor([float(width)]), rows, half, T)
+    expected = counted_share(length, Fraction(width), rows, half, T)
+    assert got.shape == (1, 1, T, rows)
+    torch.testing.assert_close(got[0, 0].exp(), expected.exp(), atol=1e-12, rtol=0)
+    assert torch.equal(got[0, 0].isinf(), expected.isinf()), "a row the band covers must drop out"
+
+
+def test_rows_outside_band_takes_out_exactly_the_band_from_stretched_rows():
+    """Under resample the rows split a sentence's L tokens in windows of L/k (fractional): over
+    the rows, what the recount takes out of the counts is the band's size, no more, no less."""
+    lengths, k, half, T = torch.tensor([37, 23, 5]), 8, 4, 37
+    width = lengths.double() / k
+    share = rows_outside_band(lengths, width, k, half, T)[:, 0]  # B x T x R
+    taken = ((1 - share.exp()) * width.view(-1, 1, 1)).sum(-1)  # B x T
+    at = torch.arange(T)
+    band = (torch.minimum(at + half + 1, lengths.view(-1, 1)) - (at - half).clamp(min=0)).clamp(min=0)
+    real = at.view(1, T) < lengths.view(-1, 1)
+    torch.testing.assert_close(taken[real], band[real].double(), atol=1e-9, rtol=0)
+
+
 @pytest.mark.parametrize("T,half", [(9, 2), (8, 1), (4, 6)])
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_band_gradients_match_finite_differences(T, half, dropout):
@@ -64,6 +119,18 @@ def test_band_gradients_match_finite_differences(T, half, dropout):
     def band(q, k, v, k_rows, v_rows, offset):
         torch.manual_seed(0)  # the same dropout mask on every evaluation
         return attend_local_and_projected(q, k, v, key_real, half, k_rows, v_rows, rows_real, offset, dropout)
+
+    assert torch.autograd.gradcheck(band, inputs)
+
+
+def test_band_gradients_with_the_rows_recounted_match_finite_differences():
+    q, k, v, key_real, k_rows, v_rows, rows_real, offset = band_inputs(T=9, R=3, B=2, H=2, D=3)
+    share = random_share(9, 3)
+    inputs = [t.requires_grad_() for t in (q, k, v, k_rows, v_rows, offset)]
+
+    def band(q, k, v, k_rows, v_rows, offset):
+        torch.manual_seed(0)
+        return attend_local_and_projected(q, k, v, key_real, 2, k_rows, v_rows, rows_real, offset, 0.2, share)
 
     assert torch.autograd.gradcheck(band, inputs)
 
@@ -128,9 +195,19 @@ def module_reference(attn, x, pad_mask):
         count = torch.full((B, 1, 1, 1), math.log(proj.max_positions / proj.k), dtype=torch.float64)
     offset = count + attn.local_far_bias.view(1, H, 1, 1)
     key_real = ~pad_mask
+    half, exact = attn.local_window // 2, torch.zeros(B, dtype=torch.bool)
     if proj.kind == "linear" and proj.length_power == -2.0:  # exact: short sentences' rows are their tokens
-        key_real = key_real & (lengths > proj.k).view(B, 1)
-    out = dense_band_and_rows(q, k, v, key_real, attn.local_window // 2, heads(k_rows), heads(v_rows), kept, offset)
+        exact = lengths <= proj.k
+        key_real = key_real & ~exact.view(B, 1)
+    share = None
+    if attn.local_count_once:  # the rows as windows of n/k positions, or L/k under resample / exact
+        stretched = proj.kind == "linear" and proj.length_power < 0
+        share = torch.zeros(B, 1, T, k_rows.size(0), dtype=torch.float64)
+        for b, length in enumerate(lengths.long().tolist()):
+            width = Fraction(length, proj.k) if stretched else Fraction(proj.max_positions, proj.k)
+            if not exact[b]:
+                share[b, 0] = counted_share(length, width, k_rows.size(0), half, T)
+    out = dense_band_and_rows(q, k, v, key_real, half, heads(k_rows), heads(v_rows), kept, offset, share)
     return attn.out_proj(out.permute(2, 0, 1, 3).reshape(T, B, C))
 
 
@@ -140,10 +217,15 @@ def module_reference(attn, x, pad_mask):
     + [("linear", "headwise", norm) for norm in ("sqrt", "linear", "resample", "exact")]
     + [("linear", "none", "exact")],
 )
-def test_module_matches_the_dense_reference_for_every_projection(kind, sharing, length_norm):
+@pytest.mark.parametrize("count_once", [False, True])
+def test_module_matches_the_dense_reference_for_every_projection(kind, sharing, length_norm, count_once):
+    """With --local-count-once the reference counts the positions of each row's window that the
+    band leaves, and a sentence alone gives what it gives padded in the batch."""
     n, k, T = 32, 8, 23  # T > k: every sentence but the 6-token one goes through the projection
     torch.manual_seed(0)
-    settings = LinformerSettings(n, (k,), sharing, kind, length_norm, "xavier", local_window=6)
+    settings = LinformerSettings(
+        n, (k,), sharing, kind, length_norm, "xavier", local_window=6, local_count_once=count_once
+    )
     layerwise = projection(settings, k) if sharing == "layerwise" else None
     attn = LinformerMultiheadAttention(16, 4, settings, k, shared_projection=layerwise).double().eval()
     with torch.no_grad():
@@ -156,6 +238,10 @@ def test_module_matches_the_dense_reference_for_every_projection(kind, sharing, 
         expected = module_reference(attn, x, pad_mask)
     real = ~pad_mask.t()
     torch.testing.assert_close(got[real], expected[real], atol=1e-12, rtol=0)
+    if count_once:
+        with torch.no_grad():
+            alone, _ = attn(x[:15, 1:2], key_padding_mask=pad_mask[1:2, :15])
+        torch.testing.assert_close(alone[:, 0], got[:15, 1], atol=1e-12, rtol=0)
 
 
 def test_module_gradients_match_the_dense_reference():
@@ -226,9 +312,11 @@ def test_band_trains_and_checkpointing_replays_it():
 
 
 @pytest.mark.parametrize("dtype", HALF)
-def test_half_precision_band_tracks_fp32(dtype):
+@pytest.mark.parametrize("count_once", [False, True])
+def test_half_precision_band_tracks_fp32(dtype, count_once):
     torch.manual_seed(0)
-    attn = attention(64, 4, 32, 8, init="xavier", length_norm="resample", local_window=8).eval()
+    attn = attention(64, 4, 32, 8, init="xavier", length_norm="resample", local_window=8, local_count_once=count_once)
+    attn.eval()
     T, lengths = 27, torch.tensor([27, 17])
     pad_mask = torch.arange(T).unsqueeze(0) >= lengths.unsqueeze(1)
     x = (torch.randn(T, 2, 64) * 2).to(dtype)
@@ -286,6 +374,8 @@ def test_checkpoint_round_trip_and_clear_errors(tmp_path):
         torch.testing.assert_close(features(loaded, src), features(model, src), atol=0, rtol=0)
     with pytest.raises(ValueError, match="even number"):
         build_model(local_window=5)
+    with pytest.raises(ValueError, match="--local-count-once recounts the projected rows beside a band"):
+        build_model(local_count_once=True)
     attn = attention(16, 4, 32, 8, local_window=4)
     with pytest.raises(ValueError, match="not returned with --local-window"):
         attn(torch.randn(20, 1, 16), need_weights=True)

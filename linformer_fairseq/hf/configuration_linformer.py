@@ -44,6 +44,8 @@ class LinformerConfig(PretrainedConfig):
         freeze_compress (`bool`): the projections are not trained (`--freeze-compress 1`).
         local_window (`int`): W, the exact local band each query reads beside the projected rows
             (`--local-window`; 0: none).
+        local_count_once (`bool`): each projected row leaves out the tokens of its window that the query's
+            band reads (`--local-count-once`).
         ffn_chunk_size (`int`): in inference, run each feed-forward block over this many positions at a
             time (0: off); same outputs.
         initializer_range (`float`): std of the normal init of new weights (a new classification head).
@@ -84,6 +86,7 @@ class LinformerConfig(PretrainedConfig):
         compress_init="normal",
         freeze_compress=False,
         local_window=0,
+        local_count_once=False,
         ffn_chunk_size=0,
         initializer_range=0.02,
         pad_token_id=1,
@@ -125,6 +128,7 @@ class LinformerConfig(PretrainedConfig):
         self.compress_init = compress_init
         self.freeze_compress = bool(freeze_compress)
         self.local_window = int(local_window)
+        self.local_count_once = bool(local_count_once)
         self.ffn_chunk_size = ffn_chunk_size
         self.initializer_range = initializer_range
         self.unk_token_id = unk_token_id

@@ -69,6 +69,7 @@ def linformer_settings(config: LinformerConfig) -> LinformerSettings:
         freeze=config.freeze_compress,
         ffn_chunk_size=config.ffn_chunk_size,
         local_window=getattr(config, "local_window", 0),  # folders exported before the band have none
+        local_count_once=getattr(config, "local_count_once", False),
     )
 
 

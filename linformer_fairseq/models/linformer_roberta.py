@@ -137,6 +137,15 @@ class LinformerRobertaConfig(FairseqDataclass):
             "O(n (W + k)); sentences that exact reads as their own rows get no band"
         },
     )
+    local_count_once: bool = field(
+        default=False,
+        metadata={
+            "help": "with --local-window: each projected row stands only for the tokens of its window that the "
+            "query's band does not read (its log count becomes log(count x (1 - overlap / window))), so no token "
+            "is counted by both. Rows are taken as windows of n/k consecutive positions (L/k of an L-token "
+            "input under resample/exact): pooling, and E/F that average windows (the converter's avg)"
+        },
+    )
     freeze_compress: int = field(default=0, metadata={"help": "1: freeze the projection parameters"})
     shared_kv_compressed: int = field(default=0, metadata={"help": "legacy: 1 means --compress-sharing kv"})
     shared_layer_kv_compressed: int = field(

@@ -1,7 +1,8 @@
 """Linformer self-attention (Wang et al. 2020): keys and values are projected along the
 sequence axis from n positions to k rows before attention, so attention costs O(n k).
 With a local window W (``--local-window``), every query also reads the exact keys and values
-of its W nearest positions, in the same softmax as the k rows: O(n (W + k)).
+of its W nearest positions, in the same softmax as the k rows: O(n (W + k)). With
+``--local-count-once`` each row's weight leaves out the tokens that the query's band reads.
 
 Shapes follow fairseq: activations are ``T x B x C`` (time, batch, channels), padding masks
 are ``B x T`` with True at pad positions. Padding must be on the right (fairseq's
@@ -46,6 +47,7 @@ class LinformerSettings:
     ffn_chunk_size: int = 0
     resample_prob: float = 0.0
     local_window: int = 0
+    local_count_once: bool = False
 
     def __post_init__(self):
         for name, value, choices in (
@@ -70,6 +72,8 @@ class LinformerSettings:
             raise ValueError(
                 f"--local-window must be an even number >= 0 (W/2 neighbours on each side), got {self.local_window}"
             )
+        if self.local_count_once and not self.local_window:
+            raise ValueError("--local-count-once recounts the projected rows beside a band: add --local-window")
         if not 0.0 <= self.resample_prob <= 1.0:
             raise ValueError(f"--compress-resample-prob must be in [0, 1], got {self.resample_prob}")
         if self.resample_prob and (self.kind, self.length_norm) != ("linear", "exact"):
@@ -115,6 +119,7 @@ class LinformerSettings:
             ffn_chunk_size=args.ffn_chunk_size,
             resample_prob=float(getattr(args, "compress_resample_prob", 0.0)),  # older configs lack it
             local_window=int(getattr(args, "local_window", 0)),
+            local_count_once=bool(getattr(args, "local_count_once", False)),
         )
 
 
@@ -269,6 +274,15 @@ class SequenceProjection(nn.Module):
             exact &= ~drawn
         return exact
 
+    def row_width(self, pad_mask: Tensor | None, T: int, B: int, device) -> Tensor:
+        """The positions each projected row is taken to cover, ``B``: row r covers [r w, (r + 1) w),
+        w = L/k of a sentence of L tokens under ``resample`` / ``exact``, n/k otherwise. That is the
+        geometry of pooling and of E/F that average windows (the converter's ``avg``, ``--compress-init
+        mean``); a learned E/F may have drifted from it."""
+        if self.kind == "linear" and self.length_power in (RESAMPLE, EXACT):
+            return sentence_lengths(pad_mask, T, B, device).clamp(min=1).double() / self.k
+        return torch.full((B,), self.max_positions / self.k, device=device, dtype=torch.float64)
+
     def tokens_per_row(self, pad_mask: Tensor | None, T: int, B: int, device) -> Tensor | float:
         """How many tokens each projected row stands for: n/k, or for ``resample`` / ``exact``,
         which stretch E over each sentence, L/k of a sentence of L tokens (``B``; at least 1:
@@ -370,8 +384,11 @@ class LinformerMultiheadAttention(nn.Module):
     values of the positions within W/2 of it (``attend_local_and_projected``): a banded attention
     matrix has full rank, so no k x n projection can follow a head that looks at its neighbours.
     Each projected row's logit gets log(tokens it stands for) plus a learned per-head offset
-    ``local_far_bias`` (initialised to 0), which sets the far field's weight against the band. A
-    sentence the projection reads exactly (``exact``, at most k tokens) needs no band and gets none.
+    ``local_far_bias`` (initialised to 0), which sets the far field's weight against the band. With
+    ``local_count_once`` a row stands only for the tokens of its window (``SequenceProjection.row_width``)
+    that the query's band does not read: its count becomes count x (1 - overlap / window), and a row
+    wholly inside the band drops out, so no token is counted by both. A sentence the projection
+    reads exactly (``exact``, at most k tokens) needs no band and gets none.
     """
 
     def __init__(
@@ -410,7 +427,7 @@ class LinformerMultiheadAttention(nn.Module):
         if settings.freeze:
             for p in self.compress_parameters():
                 p.requires_grad_(False)
-        self.local_window = settings.local_window
+        self.local_window, self.local_count_once = settings.local_window, settings.local_count_once
         if self.local_window:
             self.local_far_bias = nn.Parameter(torch.zeros(num_heads))
 
@@ -524,7 +541,15 @@ class LinformerMultiheadAttention(nn.Module):
         count = torch.as_tensor(count, device=x.device, dtype=wide).log().reshape(-1, 1, 1, 1)
         offset = (count + self.local_far_bias.to(wide).view(1, H, 1, 1)).to(q.dtype)
         half = self.local_window // 2
-        return attend_local_and_projected(q, k, v, key_real, half, k_rows, v_rows, kept, offset, dropout)
+        share = None
+        if self.local_count_once:
+            lengths = sentence_lengths(pad_mask, T, B, x.device)
+            width = self.compress_k.row_width(pad_mask, T, B, x.device)
+            share = rows_outside_band(lengths, width, k_rows.size(2), half, T)
+            if exact is not None:  # no band there: a row is its token
+                share = share.masked_fill(exact.view(B, 1, 1, 1), 0.0)
+            share = share.to(q.dtype)
+        return attend_local_and_projected(q, k, v, key_real, half, k_rows, v_rows, kept, offset, dropout, share)
 
 
 def attend(
@@ -558,6 +583,7 @@ def attend_local_and_projected(
     rows_real: Tensor | None,
     rows_offset: Tensor,
     dropout: float = 0.0,
+    rows_share: Tensor | None = None,
 ) -> Tensor:
     """One softmax over two sets of keys: the exact ``k``, ``v`` of the positions within
     ``half_window`` of each query, and the R projected rows ``k_rows``, ``v_rows``.
@@ -565,7 +591,9 @@ def attend_local_and_projected(
     q, k, v: ``B x H x T x D``; key_real: ``B x T``, True where a position may be read in the
     band, or None; k_rows, v_rows: ``B x H x R x D``; rows_real: ``B x R`` or None; rows_offset:
     added to every row's logit, broadcastable to ``B x H x 1 x 1``; dropout: the probability of
-    dropping a weight. Returns ``B x H x T x D``.
+    dropping a weight; rows_share: ``B x 1 x T x R``, also added to the rows' logits (the log of the
+    share of each row that lies outside each query's band, ``rows_outside_band``), or None; it
+    gets no gradient. Returns ``B x H x T x D``.
 
     Blockwise, never T x T: the queries are cut into blocks of b = half_window positions, and
     each block reads the b + 2 * half_window keys around it (its band lies inside them), so the
@@ -590,8 +618,10 @@ def attend_local_and_projected(
     # one dtype throughout, q's (under autocast, the autocast dtype its projection ran in): the
     # backward pass's products then match the forward pass's, which autocast does not reach
     k, v, k_rows, v_rows, rows_offset = (t.to(q.dtype) for t in (k, v, k_rows, v_rows, rows_offset))
+    if rows_share is not None:  # the padded queries' rows as well
+        rows_share = F.pad(rows_share.to(q.dtype), (0, 0, 0, tail))
     with torch.autocast(q.device.type, enabled=False):
-        return BandAndRows.apply(q, k, v, k_rows, v_rows, rows_offset, readable, rows_real, half, dropout)
+        return BandAndRows.apply(q, k, v, k_rows, v_rows, rows_offset, rows_share, readable, rows_real, half, dropout)
 
 
 class BandAndRows(torch.autograd.Function):
@@ -599,11 +629,11 @@ class BandAndRows(torch.autograd.Function):
     x span``, or ``B x 1 x`` that) is True where a query of a block may read a key of its span."""
 
     @staticmethod
-    def forward(ctx, q, k, v, k_rows, v_rows, rows_offset, readable, rows_real, half: int, dropout: float):
+    def forward(ctx, q, k, v, k_rows, v_rows, rows_offset, rows_share, readable, rows_real, half: int, dropout: float):
         B, H, T, D = q.shape
         blocks, block, span = readable.shape[-3:]
         q = F.pad(q * D**-0.5, (0, 0, 0, blocks * block - T))
-        band, far = _band_and_row_scores(q, k, k_rows, rows_offset, readable, rows_real, half)
+        band, far = _band_and_row_scores(q, k, k_rows, rows_offset, rows_share, readable, rows_real, half)
         # shift both sets by their shared maximum, plus log(span + R) so that the sums, and the
         # output before it is divided by them, stay within the values' own range (fp16)
         top = torch.maximum(band.amax(-1, keepdim=True), far.amax(-1, keepdim=True)) + math.log(span + k_rows.size(2))
@@ -619,7 +649,7 @@ class BandAndRows(torch.autograd.Function):
         out = _weighted_values(band, far, v, v_rows, half) / total
         out = out.view(B, H, blocks * block, D)[:, :, :T].contiguous()
         ctx.save_for_backward(
-            q, k, v, k_rows, v_rows, rows_offset, readable, rows_real, top, total, out, keep_band, keep_far
+            q, k, v, k_rows, v_rows, rows_offset, rows_share, readable, rows_real, top, total, out, keep_band, keep_far
         )
         ctx.half, ctx.dropout = half, dropout
         return out
@@ -627,12 +657,12 @@ class BandAndRows(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):
-        q, k, v, k_rows, v_rows, rows_offset, readable, rows_real, top, total, out, keep_band, keep_far = (
+        q, k, v, k_rows, v_rows, rows_offset, rows_share, readable, rows_real, top, total, out, keep_band, keep_far = (
             ctx.saved_tensors
         )
         half, B, H, T, D = ctx.half, *out.shape
         blocks, block, span = readable.shape[-3:]
-        band, far = _band_and_row_scores(q, k, k_rows, rows_offset, readable, rows_real, half)
+        band, far = _band_and_row_scores(q, k, k_rows, rows_offset, rows_share, readable, rows_real, half)
         # the weights p / (1 - dropout), from the forward pass's shift and sums
         band, far = band.sub_(top).exp_().div_(total), far.sub_(top).exp_().div_(total).view(B, H, blocks * block, -1)
         grad = F.pad(grad, (0, 0, 0, blocks * block - T))  # B x H x blocks*block x D
@@ -657,7 +687,7 @@ class BandAndRows(torch.autograd.Function):
         grad_q = (grad_q.view(B, H, blocks * block, D) + row_scores @ k_rows)[:, :, :T] * D**-0.5
         grad_k = _fold_windows(band_scores.transpose(-1, -2) @ q.view(B, H, blocks, block, D), half, T)
         grad_k_rows = row_scores.transpose(-1, -2) @ q
-        return grad_q, grad_k, grad_v, grad_k_rows, grad_v_rows, grad_offset, None, None, None, None
+        return grad_q, grad_k, grad_v, grad_k_rows, grad_v_rows, grad_offset, None, None, None, None, None
 
 
 def _windows(t: Tensor, half: int, block: int, span: int) -> Tensor:
@@ -676,14 +706,16 @@ def _fold_windows(windows: Tensor, half: int, T: int) -> Tensor:
     return folded[:, :, half : half + T]
 
 
-def _band_and_row_scores(q, k, k_rows, rows_offset, readable, rows_real, half: int):
+def _band_and_row_scores(q, k, k_rows, rows_offset, rows_share, readable, rows_real, half: int):
     """The scaled, padded queries' logits over their band (``B x H x blocks x block x span``,
-    -inf where unreadable) and over the rows (``B x H x blocks x block x R``, offset added)."""
+    -inf where unreadable) and over the rows (``B x H x blocks x block x R``, offset and share added)."""
     B, H, _, D = q.shape
     blocks, block, span = readable.shape[-3:]
     band = torch.matmul(q.view(B, H, blocks, block, D), _windows(k, half, block, span))
     band.masked_fill_(~readable, float("-inf"))
     far = torch.matmul(q, k_rows.transpose(-1, -2)).add_(rows_offset)
+    if rows_share is not None:
+        far.add_(rows_share)
     if rows_real is not None:
         far.masked_fill_(~rows_real, float("-inf"))
     return band, far.view(B, H, blocks, block, -1)
@@ -694,6 +726,22 @@ def _weighted_values(band: Tensor, far: Tensor, v: Tensor, v_rows: Tensor, half:
     B, H, blocks, block, span = band.shape
     out = torch.matmul(band, _windows(v, half, block, span).transpose(-1, -2))
     return out + torch.matmul(far.view(B, H, blocks * block, -1), v_rows).view(B, H, blocks, block, -1)
+
+
+def rows_outside_band(lengths: Tensor, width: Tensor, rows: int, half: int, T: int) -> Tensor:
+    """log(1 - overlap / width): the log of the share of each row's window that lies outside each
+    query's band, ``B x 1 x T x R`` (-inf where the band covers the window). Row r covers positions
+    [r w, (r + 1) w) (w = ``width``, ``B``); query i's band is [i - half, i + half] within the
+    sentence's L real tokens (``lengths``, ``B``). Computed in float64: a window the band covers
+    whole must come out as -inf (or nearly), not as the log of a rounding error's sign."""
+    B, device = lengths.size(0), lengths.device
+    width = width.to(torch.float64).view(B, 1, 1)
+    start = torch.arange(rows, device=device, dtype=torch.float64).view(1, 1, rows) * width
+    at = torch.arange(T, device=device, dtype=torch.float64).view(1, T, 1)
+    low = (at - half).clamp(min=0)
+    high = torch.minimum(at + half + 1, lengths.to(torch.float64).view(B, 1, 1))
+    overlap = (torch.minimum(start + width, high) - torch.maximum(start, low)).clamp(min=0)
+    return (1 - overlap / width).clamp(min=0).log().unsqueeze(1)
 
 
 def sentence_lengths(pad_mask: Tensor | None, T: int, B: int, device) -> Tensor:

@@ -16,7 +16,8 @@ Runs (each a linearize.py folder under OUT/runs, resumable; --runs picks some, -
     them): subsample init; mean pooling; convolution; kv and layerwise sharing; no key scale
     (--key-scale 1), also with the full distillation; an exact local band beside the projection
     (--local-window W): W = 32, 64, 128 at k = 128, and W = 64 at k = 64; at W = 128 the far
-    field weighted by its log count alone (--far-offset count), and another seed
+    field weighted by its log count alone (--far-offset count), another seed, and the band's
+    tokens left out of the rows' counts (--local-count-once)
   short inputs, n = 128 (STS-B dev zero-shot, mean pooling, against the teacher at n = 128):
     k = 8, 16, 32 with each way of handling inputs shorter than n at k = 16 (slice: the first T
     columns of E; length norm linear; resample; mean pooling); remedies at k = 16 (direct: no
@@ -107,6 +108,8 @@ for k, window in ((128, 32), (128, 64), (128, 128), (64, 64)):
 # the learned run again with another seed, for the spread a seed makes
 RUNS["n512-k128-w128-count"] = (LONG, [*RUNS["n512-k128-w128"][1], "--far-offset", "count"])
 RUNS["n512-k128-w128-seed2"] = (LONG, [*RUNS["n512-k128-w128"][1], "--seed", "2"])
+# the band's tokens left out of the rows' counts (--local-count-once), which they otherwise count again
+RUNS["n512-k128-w128-once"] = (LONG, [*RUNS["n512-k128-w128"][1], "--local-count-once"])
 SPECTRUM_LENGTHS = (128, 256, 512)
 SHORT_RUNS = [name for name, (n, _) in RUNS.items() if n == SHORT]
 # where the finetuned gap comes from: a run finetuned from another of its stages, or with other

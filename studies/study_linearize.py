@@ -110,6 +110,7 @@ RUNS["n512-k128-w128-count"] = (LONG, [*RUNS["n512-k128-w128"][1], "--far-offset
 RUNS["n512-k128-w128-seed2"] = (LONG, [*RUNS["n512-k128-w128"][1], "--seed", "2"])
 # the band's tokens left out of the rows' counts (--local-count-once), which they otherwise count again
 RUNS["n512-k128-w128-once"] = (LONG, [*RUNS["n512-k128-w128"][1], "--local-count-once"])
+RUNS["n512-k128-w128-once-seed2"] = (LONG, [*RUNS["n512-k128-w128-once"][1], "--seed", "2"])
 SPECTRUM_LENGTHS = (128, 256, 512)
 SHORT_RUNS = [name for name, (n, _) in RUNS.items() if n == SHORT]
 # where the finetuned gap comes from: a run finetuned from another of its stages, or with other

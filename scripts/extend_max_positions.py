@@ -263,12 +263,10 @@ def parse_args(argv=None):
     parser.add_argument("--report-json", help="also write the losses and the continuation command to this JSON file")
     checkpoints.add_continuation_args(parser)
     args = parser.parse_args(argv)
-    if args.max_positions is None and not args.compress_length_norm and args.local_window is None:
-        if args.local_count_once is None:
-            parser.error(
-                "nothing to do: give --max-positions, --compress-length-norm, --local-window, --local-count-once "
-                "or several"
-            )
+    if (args.max_positions, args.compress_length_norm, args.local_window, args.local_count_once) == (None,) * 4:
+        parser.error(
+            "nothing to do: give --max-positions, --compress-length-norm, --local-window, --local-count-once or several"
+        )
     if args.local_window is not None and (args.local_window < 0 or args.local_window % 2):
         parser.error(f"--local-window must be an even number >= 0, got {args.local_window}")
     if args.max_positions is not None and args.max_positions < 1 or args.compressed_dim < 0:

@@ -274,14 +274,14 @@ class SequenceProjection(nn.Module):
             exact &= ~drawn
         return exact
 
-    def row_width(self, pad_mask: Tensor | None, T: int, B: int, device) -> Tensor:
-        """The positions each projected row is taken to cover, ``B``: row r covers [r w, (r + 1) w),
-        w = L/k of a sentence of L tokens under ``resample`` / ``exact``, n/k otherwise. That is the
-        geometry of pooling and of E/F that average windows (the converter's ``avg``, ``--compress-init
-        mean``); a learned E/F may have drifted from it."""
+    def row_width(self, lengths: Tensor) -> Tensor:
+        """The positions each projected row is taken to cover, ``B`` for sentences of ``lengths``
+        real tokens: row r covers [r w, (r + 1) w), w = L/k under ``resample`` / ``exact``, n/k
+        otherwise. That is the geometry of pooling and of E/F that average windows (the converter's
+        ``avg``, ``--compress-init mean``); a learned E/F may have drifted from it."""
         if self.kind == "linear" and self.length_power in (RESAMPLE, EXACT):
-            return sentence_lengths(pad_mask, T, B, device).clamp(min=1).double() / self.k
-        return torch.full((B,), self.max_positions / self.k, device=device, dtype=torch.float64)
+            return lengths.clamp(min=1).double() / self.k
+        return torch.full_like(lengths, self.max_positions / self.k, dtype=torch.float64)
 
     def tokens_per_row(self, pad_mask: Tensor | None, T: int, B: int, device) -> Tensor | float:
         """How many tokens each projected row stands for: n/k, or for ``resample`` / ``exact``,
@@ -544,8 +544,7 @@ class LinformerMultiheadAttention(nn.Module):
         share = None
         if self.local_count_once:
             lengths = sentence_lengths(pad_mask, T, B, x.device)
-            width = self.compress_k.row_width(pad_mask, T, B, x.device)
-            share = rows_outside_band(lengths, width, k_rows.size(2), half, T)
+            share = rows_outside_band(lengths, self.compress_k.row_width(lengths), k_rows.size(2), half, T)
             if exact is not None:  # no band there: a row is its token
                 share = share.masked_fill(exact.view(B, 1, 1, 1), 0.0)
             share = share.to(q.dtype)

@@ -48,6 +48,7 @@ def get_parser():
     arg("--ks", type=positive, default=list(PAPER_KS), help="projected lengths k; only k < n runs")
     arg("--ffn-chunk-size", type=int_list, default=[0], help="one Linformer per value; 0: no chunking")
     arg("--local-windows", type=int_list, default=[0], help="one Linformer per value: its local band W; 0: none")
+    arg("--local-count-once", action="store_true", help="each band Linformer also counted once (-once), beside it")
     arg("--compress-sharing", default="layerwise", choices=["none", "headwise", "kv", "layerwise"], help="Linformer's")
     arg("--compress-type", default="linear", choices=["linear", "mean", "max", "conv"], help="Linformer's")
     arg("--baselines", default="fused,explicit", help="RoBERTa baselines, from fused,explicit")
@@ -87,6 +88,7 @@ def build_point_model(spec):
             f"--compress-type {spec['compress_type']} --ffn-chunk-size {spec['ffn_chunk']} "
             f"--local-window {spec['local_window']}"
         )
+        flags += " --local-count-once" if spec.get("local_count_once") else ""
     elif spec["model"] == "original":  # its flags: k = n // compressed; sharing by two switches
         user_dir = spec["baseline_user_dir"]
         flags += f" --compressed {spec['n'] // spec['k']}"
@@ -185,7 +187,8 @@ def run_worker(spec):
 # ---------------------------------------------------------------- the grid
 # flags that shape the grid or its running, not the points: every other flag is a setting all points share
 GRID_FLAGS = set(
-    "lengths ks ffn_chunk_size local_windows baselines memory_limit_gb timeout out_dir resume worker".split()
+    "lengths ks ffn_chunk_size local_windows local_count_once baselines".split()
+    + "memory_limit_gb timeout out_dir resume worker".split()
 )
 
 
@@ -201,6 +204,9 @@ def make_grid(args):
         for k, w, c in itertools.product(ks, sorted(set(args.local_windows)), args.ffn_chunk_size):
             name = f"linformer-k{k}" + (f"-w{w}" if w else "") + (f"-chunk{c}" if c else "")
             specs.append(dict(common, model="linformer", label=name, n=n, k=k, ffn_chunk=c, local_window=w))
+            if w and args.local_count_once:
+                once = dict(common, model="linformer", n=n, k=k, ffn_chunk=c, local_window=w, local_count_once=True)
+                specs.append(dict(once, label=f"{name}-once"))
         for k in ks if args.baseline_user_dir else []:
             specs.append(dict(common, model="original", label=f"original-k{k}", n=n, k=k, ffn_chunk=0, local_window=0))
     return specs

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Time (and on a GPU, peak memory) of one self-attention layer: PyTorch's fused full attention
 (scaled_dot_product_attention, as fairseq's RoBERTa runs it) against the plugin's Linformer
-attention at each k and local window W (--local-window), side by side in one process.
+attention at each k and local window W (--local-windows; with --local-count-once, each band also
+counted once), side by side in one process.
 
 Needs only torch: the plugin's attention module is loaded from its file, so it runs where fairseq
 is not installed (a GPU node with a bare PyTorch). The whole model against fairseq's RoBERTa is
@@ -53,11 +54,16 @@ def models(args, n, attention):
     yield "full", lambda: FullAttention(args.embed_dim, args.heads)
     for k in (k for k in args.ks if k < n):
         for window in args.local_windows:
-            settings = attention.LinformerSettings(
-                max_positions=n, compressed_dims=(k,), length_norm=args.length_norm, local_window=window
-            )
-            name = f"linformer-k{k}" + (f"-w{window}" if window else "")
-            yield name, lambda s=settings, k=k: attention.LinformerMultiheadAttention(args.embed_dim, args.heads, s, k)
+            for once in (False, True) if window and args.local_count_once else (False,):
+                settings = attention.LinformerSettings(
+                    max_positions=n, compressed_dims=(k,), length_norm=args.length_norm, local_window=window,
+                    local_count_once=once,
+                )  # fmt: skip
+                name = f"linformer-k{k}" + (f"-w{window}" if window else "") + ("-once" if once else "")
+                yield (
+                    name,
+                    lambda s=settings, k=k: attention.LinformerMultiheadAttention(args.embed_dim, args.heads, s, k),
+                )
 
 
 def timed(layer, x, training: bool, repeats: int, device: str):
@@ -110,6 +116,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-sizes", type=int_list, help="sequences a step, one per length (default: 1 each)")
     p.add_argument("--ks", type=int_list, default=[256], help="projected lengths k; only k < n runs (default: 256)")
     p.add_argument("--local-windows", type=int_list, default=[0, 64, 128], help="bands W (default: 0,64,128)")
+    p.add_argument("--local-count-once", action="store_true", help="each band also counted once (-once), beside it")
     p.add_argument("--length-norm", default="resample", choices=tuple(plugin_attention().LENGTH_NORM_POWERS),
                    help="the projection's --compress-length-norm (default: resample)")  # fmt: skip
     p.add_argument("--embed-dim", type=int, default=768, help="default: 768")

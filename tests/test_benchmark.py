@@ -55,6 +55,23 @@ def test_training_step_updates_the_model_and_learns_a_batch(model, dtype):
     assert losses[-1] < losses[0] - 0.03, losses  # the same batch again and again: its loss falls
 
 
+def test_grid_puts_each_band_counted_once_beside_it():
+    """--local-count-once adds a -once point after each band Linformer (none for W = 0 or the
+    baselines), and that point's model counts the band once in every layer."""
+    args = bench.get_parser().parse_args(
+        ["--lengths", "32", "--ks", "8", "--local-windows", "0,8", "--local-count-once"]
+    )
+    specs = bench.make_grid(args)
+    assert [s["label"] for s in specs] == [
+        "roberta-fused", "roberta-explicit", "linformer-k8", "linformer-k8-w8", "linformer-k8-w8-once"
+    ]  # fmt: skip
+    once = dict(TINY_SPEC, **{key: specs[-1][key] for key in ("local_window", "local_count_once")}, dtype="fp32")
+    layers = bench.build_point_model(once).encoder.sentence_encoder.layers
+    assert [layer.self_attn.local_count_once for layer in layers] == [True]
+    plain = bench.build_point_model(dict(once, local_count_once=False)).encoder.sentence_encoder.layers
+    assert [layer.self_attn.local_count_once for layer in plain] == [False]
+
+
 def test_flops_of_base_widths_match_hand_count():
     n, d, f, layers, k = 1024, 768, 3072, 12, 256
     # RoBERTa layer: 8nd^2 = 4,831,838,208 + 4n^2d = 3,221,225,472 + 4ndf = 9,663,676,416
@@ -291,5 +308,9 @@ def test_attention_benchmark_times_fairseqs_attention_and_each_band(tmp_path, ca
                      (128, "linformer-k64"), (128, "linformer-k64-w8")]  # fmt: skip
     assert all(r["vs_full"] == 1 for r in rows if r["model"] == "full")
     assert capsys.readouterr().out.count("| 128 | 1 |") == 5
+    args = layers.parse_args(["--lengths", "64", "--ks", "32", "--local-windows", "0,8", "--local-count-once"])
+    built = {name: make() for name, make in layers.models(args, 64, layers.plugin_attention())}
+    assert list(built) == ["full", "linformer-k32", "linformer-k32-w8", "linformer-k32-w8-once"]
+    assert [layer.local_count_once for name, layer in built.items() if name != "full"] == [False, False, True]
     with pytest.raises(SystemExit):
         layers.main(["--local-windows", "7"])

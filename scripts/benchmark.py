@@ -205,8 +205,7 @@ def make_grid(args):
             name = f"linformer-k{k}" + (f"-w{w}" if w else "") + (f"-chunk{c}" if c else "")
             specs.append(dict(common, model="linformer", label=name, n=n, k=k, ffn_chunk=c, local_window=w))
             if w and args.local_count_once:
-                once = dict(common, model="linformer", n=n, k=k, ffn_chunk=c, local_window=w, local_count_once=True)
-                specs.append(dict(once, label=f"{name}-once"))
+                specs.append(dict(specs[-1], label=f"{name}-once", local_count_once=True))
         for k in ks if args.baseline_user_dir else []:
             specs.append(dict(common, model="original", label=f"original-k{k}", n=n, k=k, ffn_chunk=0, local_window=0))
     return specs

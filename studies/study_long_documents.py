@@ -23,7 +23,9 @@ Steps, each skipped when its output exists (a killed study resumes where it stop
 
 1. data: a fixed stratified IMDB subset (data-prep/imdb.sh --train-size/--test-size), reviews
    kept whole, in the models' tokens (and with --hf-dir, train/unsup as text for linearize.py);
-2. the models each run finetunes (above);
+2. the models each run finetunes (above); with --probe (or --probe-only, which stops there), a
+   linear probe of each: a logistic regression on its frozen, review-averaged final hidden
+   states, which tells what the model carries of the labels from what finetuning makes of it;
 3. runs: finetuned with scripts/finetune.sh imdb over --seeds seeds (reviews longer than the
    model reads cut head+tail: the first n/4 tokens and the rest from the end, as Sun et al.
    2019); each final model predicts the test subset: accuracy overall and by review length,
@@ -126,6 +128,11 @@ def parse_args():
         action="store_true",
         help="report runs not yet timed without their cost (timings taken while other jobs share the CPU are noise)",
     )
+    a("--probe", action="store_true",
+      help="also a linear probe of each run's model before finetuning: a logistic regression on its frozen "
+      "final hidden states averaged over each review, fit on the training reviews as the run reads them "
+      "(OUT/probe/NAME.json; the report's probe table)")  # fmt: skip
+    a("--probe-only", action="store_true", help="only the linear probes (--probe): no finetuning")
     a("--runs", nargs="+", metavar="NAME", help="only these runs, in this order (default: all; names as the report's)")
     a("--report-only", action="store_true", help="only write the report of what has finished")
     args = p.parse_args()
@@ -134,6 +141,7 @@ def parse_args():
     for name in positive + ["linearize_tokens", "valid_blocks"]:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    args.probe |= args.probe_only
     if args.fidelity_reviews < 0:
         p.error("--fidelity-reviews must be >= 0")
     if args.first_seed > args.seeds:

@@ -224,8 +224,21 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
         "> 128": 0}  # fmt: skip
     assert all(0 < b["cosine"] < 1 for b in fidelity.values() if b["reviews"]), fidelity
     (out / "timing" / "original-n128.json").unlink()  # --no-timing: its cost is left out, not measured under load
-    again = run([*cmd[: cmd.index("--runs")], "--no-timing", *cmd[cmd.index("--runs") :]]).stdout
+    again = run([*cmd[: cmd.index("--runs")], "--no-timing", "--probe", *cmd[cmd.index("--runs") :]]).stdout
     assert "finetuning, seed" not in again and "linearizing" not in again, again[-2000:]
+    # --probe: every finished run's frozen model probed, each test review scored in the test set's order
+    for name in results:
+        probe = json.loads((out / "probe" / f"{name}.json").read_text())
+        assert [length for length, _ in probe["test"]] == lengths and probe["penalty"] in load_study(
+            "long_documents.runs"
+        ).PROBE_PENALTIES
+        reported = json.loads((out / "results.json").read_text())[name]["probe"]
+        assert reported["all"] == 100 * sum(right for _, right in probe["test"]) / 8, reported
+    assert "Linear probe (--probe)" in again and "| original-n64-head_tail | " in again.split("Linear probe")[1]
+    only = run([*cmd[: cmd.index("--runs")], "--no-timing", "--probe-only", "--runs", "original-n64-head"]).stdout
+    assert "original-n64-head: linear probe" in only and "finetuning, seed" not in only, only[-2000:]
+    assert not (out / "runs" / "original-n64-head").exists()
+    assert only.split("Linear probe")[1].split("| original-n64-head | ")[1].splitlines()[0].endswith(" | - |")
     assert not (out / "timing" / "original-n128.json").exists()
     assert "| original-n128 | 128 | head_tail 128 |" in again and "| not timed | not timed | not timed |" in again
     assert "seconds_per_update" not in json.loads((out / "results.json").read_text())["original-n128"]
@@ -260,6 +273,15 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
     reviews = reads.test_reviews(argparse.Namespace(imdb_bin=out / "data" / "IMDB-bin"), 128)
     assert [len(review) for review in reviews] == [x for x in lengths if x <= 128]
     assert all(review[0] == 0 and review[-1] == 2 and not review[1:-1].le(2).any() for review in reviews)
+    # and the probe's: cut head+tail as the run's finetuning cuts them, n/4 = 16 tokens of the head kept
+    at = argparse.Namespace(imdb_bin=out / "data" / "IMDB-bin", n=64)
+    cut, labels = reads.labeled_reviews(at, "test", 64, "head_tail")
+    whole = reads.test_reviews(at, 10**9)
+    assert sorted(labels) == [0] * 4 + [1] * 4  # stratified, as class indices
+    for review, full in zip(cut, whole):
+        assert len(review) == min(64, len(full))
+        if len(full) > 64:
+            torch.testing.assert_close(review, torch.cat([full[:17], full[-47:]]), rtol=0, atol=0)
     exact = checkpoints.read_checkpoint(makes.read_exact(linearized / "checkpoint.pt"))
     distilled = checkpoints.read_checkpoint(linearized / "checkpoint.pt")
     assert checkpoints.model_namespace(exact).compress_length_norm == "exact"
@@ -274,6 +296,26 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
     config = (out / "runs" / mixed / "seed1.log").read_text()
     assert "'compress_resample_prob': 0.5" in config and "'compress_length_norm': exact" in config
     assert len(json.loads((out / "results.json").read_text())[mixed]["all"]) == 1
+
+
+def test_linear_probe_learns_a_linear_label_and_not_a_shuffled_one():
+    """The probe's logistic regression: labels a linear function of the features (with noise) are
+    read back on test rows it never saw; shuffled training labels leave it at chance; the penalty is
+    the one best on validation (a strong one, when validation labels are the reverse of the rule)."""
+    fit = load_study("long_documents.runs").fit_linear_probe
+    g = torch.Generator().manual_seed(0)
+    sizes = {"train": 300, "valid": 100, "test": 400}
+    features = {split: torch.randn(rows, 16, generator=g) * 3 + 1 for split, rows in sizes.items()}
+    direction = torch.randn(16, generator=g)
+    labels = {split: (f @ direction + 0.5 * torch.randn(len(f), generator=g) > direction.sum()).long()
+              for split, f in features.items()}  # fmt: skip
+    _, valid, guesses = fit(features, labels)
+    assert valid > 0.9 and guesses.eq(labels["test"]).double().mean() > 0.9
+    shuffled = dict(labels, train=labels["train"][torch.randperm(300, generator=g)])
+    _, _, guesses = fit(features, shuffled)
+    assert 0.35 < guesses.eq(labels["test"]).double().mean() < 0.65
+    reversed_valid = dict(labels, valid=1 - labels["valid"])  # the weaker the fit, the better it scores
+    assert fit(features, reversed_valid, penalties=(1e-3, 1e3))[0] == 1e3
 
 
 def test_a_study_step_logs_into_a_folder_not_made_yet(tmp_path):

@@ -1,6 +1,7 @@
 """The long-document study's data: the IMDB subset read from the tarball (data-prep/imdb.sh: fixed
 stratified train/test subsets, reviews kept whole), the test reviews and their lengths as the
-models read them, and the length bins the report splits them into."""
+models read them, the labeled reviews of each split as a run reads them (the linear probe), and the
+length bins the report splits them into."""
 
 from linformer_tools.common import REPO
 
@@ -31,6 +32,24 @@ def test_reviews(args, reads):
     reviews = data_utils.load_indexed_dataset(str(args.imdb_bin / "input0" / "test"))
     bos = torch.tensor([0])  # <s>: sentence prediction prepends it; the review ends with </s>
     return [torch.cat([bos, reviews[i].long()]) for i in range(len(reviews)) if reviews.sizes[i] + 1 <= reads]
+
+
+def labeled_reviews(args, split, reads, truncation):
+    """(reviews, labels) of a split as finetuning reads them: <s> review </s>, a longer review cut to
+    READS tokens as TRUNCATION says (head_tail keeps n/4 tokens from the start); labels as class
+    indices of the label dictionary, in the split's order."""
+    import torch
+    from fairseq.data import Dictionary, data_utils
+
+    from linformer_fairseq.tasks.long_sentence_prediction import TruncatedDataset
+
+    bos = torch.tensor([0])
+    reviews = data_utils.load_indexed_dataset(str(args.imdb_bin / "input0" / split))
+    whole = [torch.cat([bos, reviews[i].long()]) for i in range(len(reviews))]
+    cut = TruncatedDataset(whole, reads, truncation, args.n // 4, keep_first=1)
+    labels = Dictionary.load(str(args.imdb_bin / "label" / "dict.txt"))
+    classes = data_utils.load_indexed_dataset(str(args.imdb_bin / "label" / split), labels)
+    return [cut[i] for i in range(len(whole))], [int(classes[i][0]) - labels.nspecial for i in range(len(classes))]
 
 
 def test_lengths(args):

@@ -86,6 +86,7 @@ def report(args, specs):
     lines += seeds_table(results)
     lines += further_training(args, specs, results)
     lines += fidelity_table(args, results, bins)
+    lines += probe_table(args, specs, results)
     lines += ["", "Accuracy (mean of seeds) by review length, in tokens with <s> and </s>:", ""]
     lines += ["| run | " + " | ".join(label for label, _ in bins) + " |", "| --- " * (len(bins) + 1) + "|"]
     lines.append("| reviews | " + " | ".join(map(str, reviews)) + " |")
@@ -159,6 +160,35 @@ def further_training(args, specs, results):
             results[name]["losses"] = found
         cells = [before[args.n], before[run.reads], after[args.n], after[run.reads]]
         lines.append(f"| {name} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+    return lines
+
+
+def probe_table(args, specs, results):
+    """The report's table of the linear probes (--probe), beside what finetuning reached if it ran
+    (the probe also goes to results, for a finetuned run)."""
+    measured = {name: json.loads(path.read_text()) for name in specs
+                if (path := args.out / "probe" / f"{name}.json").is_file()}  # fmt: skip
+    if not measured:
+        return []
+    n = args.n
+    lines = ["", "Linear probe (--probe): a logistic regression on the frozen model's final hidden states "
+             "averaged over each review (before finetuning), fit on the training reviews as the run reads them, "
+             "the L2 penalty picked on the validation reviews; test accuracy beside finetuning's (mean of seeds):",
+             "", f"| run | L2 penalty | validation | test | <= {n} tokens | > {n} tokens | finetuned |",
+             "| --- " * 7 + "|"]  # fmt: skip
+    for name, found in measured.items():
+
+        def accuracy(keep, rows=found["test"]):
+            picked = [right for x, right in rows if keep(x)]
+            return 100 * sum(picked) / len(picked) if picked else None
+
+        probe = dict(penalty=found["penalty"], valid=found["valid"], all=accuracy(lambda x: True),
+                     short=accuracy(lambda x: x <= n), long=accuracy(lambda x: x > n))  # fmt: skip
+        if name in results:
+            results[name]["probe"] = probe
+        cells = [f"{probe[key]:.1f}" if probe[key] is not None else "-" for key in ("valid", "all", "short", "long")]
+        cells = [f"{found['penalty']:g}", *cells, mean_sd(results[name]["all"]) if name in results else "-"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
 

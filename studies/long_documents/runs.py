@@ -14,7 +14,7 @@ from linformer_tools.common import SCRIPTS_DIR as SCRIPTS
 from linformer_tools.common import fail, write_text
 
 from common import context_losses, finetuning_cost, load, log, sh
-from long_documents.data import length_bins, test_reviews
+from long_documents.data import labeled_reviews, length_bins, test_lengths, test_reviews
 
 
 @dataclass
@@ -266,10 +266,96 @@ def predict(args, checkpoint):
 
 
 def do_run(args, name, run):
+    if args.probe:
+        linear_probe(args, name, run)
+    if args.probe_only:
+        return
     for seed in range(args.first_seed, args.seeds + 1):
         finetune(args, name, run, seed)
     if args.hf_dir and name.startswith("linformer-") and args.fidelity_reviews:
         fidelity_by_length(args, name, run)
+
+
+PROBE_PENALTIES = (1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
+
+
+def linear_probe(args, name, run):
+    """What the run's model knows of the labels before finetuning: a logistic regression on its
+    frozen final hidden states, averaged over each review's tokens (all-MiniLM-L6-v2's own
+    sentence embedding), of the training reviews as the run reads them; the L2 penalty picked on
+    fairseq's validation reviews. OUT/probe/NAME.json: the penalty, the validation accuracy and
+    each test review's (length, correct), in the test set's order."""
+    path = args.out / "probe" / f"{name}.json"
+    if path.is_file():
+        return
+    if str(SCRIPTS) not in sys.path:
+        sys.path.append(str(SCRIPTS))
+    import linearize
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    log(f"{name}: linear probe on frozen features")
+    model = linearize.load(run.pretrained(), device(args))[0]
+    features, labels = {}, {}
+    for split in ("train", "valid", "test"):
+        reviews, labels[split] = labeled_reviews(args, split, run.reads, run.truncation)
+        features[split] = mean_features(model, reviews, linearize.PAD)
+    penalty, valid, guesses = fit_linear_probe(features, {s: torch.tensor(y) for s, y in labels.items()})
+    rows = [(x, guess == y) for x, guess, y in zip(test_lengths(args), guesses.tolist(), labels["test"])]
+    write_text(path, json.dumps(dict(penalty=penalty, valid=100 * valid, test=rows)))
+
+
+def mean_features(model, reviews, pad, tokens_a_batch=4096):
+    """Each review's final hidden states averaged over its tokens: ``len(reviews) x C``, float64."""
+    import torch
+
+    out = [None] * len(reviews)
+    order = sorted(range(len(reviews)), key=lambda i: len(reviews[i]))  # batches padded to a close length
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        start = 0
+        while start < len(order):
+            size = max(1, tokens_a_batch // len(reviews[order[start]]))
+            batch = order[start : start + size]
+            start += size
+            x = torch.nn.utils.rnn.pad_sequence([reviews[i] for i in batch], batch_first=True, padding_value=pad)
+            hidden = model(x.to(device), features_only=True)[0].double()
+            real = x.ne(pad).unsqueeze(-1).to(hidden)
+            for i, row in zip(batch, ((hidden * real).sum(1) / real.sum(1)).cpu()):
+                out[i] = row
+    return torch.stack(out)
+
+
+def fit_linear_probe(features, labels, penalties=PROBE_PENALTIES):
+    """Logistic regression (L-BFGS, float64) on features standardized by the training split's
+    statistics, once per L2 penalty (times the squared weights, beside the mean loss); the one
+    best on the validation split is kept. features, labels: ``N x C`` and ``N`` of each split
+    (train, valid, test). Returns (penalty, validation accuracy, test predictions)."""
+    import torch
+    import torch.nn.functional as F
+
+    mean, scale = features["train"].mean(0), features["train"].std(0).clamp(min=1e-8)
+    x = {split: ((f - mean) / scale).double() for split, f in features.items()}
+    classes = int(labels["train"].max()) + 1
+    best = None
+    for penalty in penalties:
+        weight = torch.zeros(x["train"].size(1), classes, dtype=torch.float64, requires_grad=True)
+        bias = torch.zeros(classes, dtype=torch.float64, requires_grad=True)
+        solver = torch.optim.LBFGS([weight, bias], max_iter=1000, line_search_fn="strong_wolfe")
+
+        def loss():
+            solver.zero_grad()
+            value = F.cross_entropy(x["train"] @ weight + bias, labels["train"]) + penalty * weight.square().sum()
+            value.backward()
+            return value
+
+        solver.step(loss)
+        with torch.no_grad():
+            valid = (x["valid"] @ weight + bias).argmax(1).eq(labels["valid"]).double().mean().item()
+            if best is None or valid > best[1]:
+                best = (penalty, valid, (x["test"] @ weight + bias).argmax(1))
+    return best
 
 
 def fidelity_by_length(args, name, run):

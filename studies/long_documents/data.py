@@ -23,29 +23,30 @@ def prepare_imdb(args):
     return args.out / "data" / "IMDB-bin"
 
 
-def test_reviews(args, reads):
-    """The test reviews of at most READS tokens as the models read them (<s> review </s>), in the
-    test set's order."""
+def reviews_of(args, split):
+    """A split's reviews as the models read them whole (<s> review </s>), in its order."""
     import torch
     from fairseq.data import data_utils
 
-    reviews = data_utils.load_indexed_dataset(str(args.imdb_bin / "input0" / "test"))
+    reviews = data_utils.load_indexed_dataset(str(args.imdb_bin / "input0" / split))
     bos = torch.tensor([0])  # <s>: sentence prediction prepends it; the review ends with </s>
-    return [torch.cat([bos, reviews[i].long()]) for i in range(len(reviews)) if reviews.sizes[i] + 1 <= reads]
+    return [torch.cat([bos, reviews[i].long()]) for i in range(len(reviews))]
+
+
+def test_reviews(args, reads):
+    """The test reviews of at most READS tokens as the models read them, in the test set's order."""
+    return [review for review in reviews_of(args, "test") if len(review) <= reads]
 
 
 def labeled_reviews(args, split, reads, truncation):
-    """(reviews, labels) of a split as finetuning reads them: <s> review </s>, a longer review cut to
-    READS tokens as TRUNCATION says (head_tail keeps n/4 tokens from the start); labels as class
-    indices of the label dictionary, in the split's order."""
-    import torch
+    """(reviews, labels) of a split as finetuning reads them: a review longer than READS tokens cut
+    as TRUNCATION says (head_tail keeps n/4 tokens from the start, the task's own cut); labels as
+    class indices of the label dictionary, in the split's order."""
     from fairseq.data import Dictionary, data_utils
 
     from linformer_fairseq.tasks.long_sentence_prediction import TruncatedDataset
 
-    bos = torch.tensor([0])
-    reviews = data_utils.load_indexed_dataset(str(args.imdb_bin / "input0" / split))
-    whole = [torch.cat([bos, reviews[i].long()]) for i in range(len(reviews))]
+    whole = reviews_of(args, split)
     cut = TruncatedDataset(whole, reads, truncation, args.n // 4, keep_first=1)
     labels = Dictionary.load(str(args.imdb_bin / "label" / "dict.txt"))
     classes = data_utils.load_indexed_dataset(str(args.imdb_bin / "label" / split), labels)

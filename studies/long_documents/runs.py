@@ -288,13 +288,9 @@ def linear_probe(args, name, run):
     path = args.out / "probe" / f"{name}.json"
     if path.is_file():
         return
-    if str(SCRIPTS) not in sys.path:
-        sys.path.append(str(SCRIPTS))
-    import linearize
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    linearize = linearize_here(args)
     log(f"{name}: linear probe on frozen features")
     model = linearize.load(run.pretrained(), device(args))[0]
     features, labels = {}, {}
@@ -358,6 +354,18 @@ def fit_linear_probe(features, labels, penalties=PROBE_PENALTIES):
     return best
 
 
+def linearize_here(args):
+    """scripts/linearize.py as a module (its load and fidelity), with torch on --threads threads."""
+    if str(SCRIPTS) not in sys.path:  # linearize.py is a user script, not a module of a package
+        sys.path.append(str(SCRIPTS))
+    import linearize
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return linearize
+
+
 def fidelity_by_length(args, name, run):
     """What reading through the projection costs, by review length, on test reviews (never
     distilled on), the first --fidelity-reviews of each bin; OUT/fidelity/NAME.json (remade when
@@ -365,13 +373,9 @@ def fidelity_by_length(args, name, run):
     path = args.out / "fidelity" / f"{name}.json"
     if path.is_file() and json.loads(path.read_text())["reviews_a_bin"] == args.fidelity_reviews:
         return
-    if str(SCRIPTS) not in sys.path:  # linearize.py is a user script, not a module of a package
-        sys.path.append(str(SCRIPTS))
-    import linearize  # its fidelity(): the measure of the linearization's own report
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    linearize = linearize_here(args)  # its fidelity(): the measure of the linearization's own report
     log(f"{name}: fidelity on test reviews by length")
     teacher = extended(args, "original", run.reads) if run.reads > args.n else base_checkpoint(args, "original")
     student, teacher = linearize.load(run.pretrained(), device(args))[0], linearize.load(teacher, device(args))[0]

@@ -2,7 +2,8 @@
 """Time (and on a GPU, peak memory) of one self-attention layer: PyTorch's fused full attention
 (scaled_dot_product_attention, as fairseq's RoBERTa runs it) against the plugin's Linformer
 attention at each k and local window W (--local-windows; with --local-count-once, each band also
-counted once), side by side in one process.
+counted once) and band kernel (--local-kernels), side by side in one process. --check-gradients
+instead compares each band kernel's output and gradients with float64.
 
 Needs only torch: the plugin's attention module is loaded from its file, so it runs where fairseq
 is not installed (a GPU node with a bare PyTorch). The whole model against fairseq's RoBERTa is
@@ -28,6 +29,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 def plugin_attention():
     spec = importlib.util.spec_from_file_location("linformer_attention", MODULE)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # torch.compile (the flex kernel) imports it by name
     spec.loader.exec_module(module)
     return module
 
@@ -55,15 +57,56 @@ def models(args, n, attention):
     for k in (k for k in args.ks if k < n):
         for window in args.local_windows:
             for once in (False, True) if window and args.local_count_once else (False,):
-                settings = attention.LinformerSettings(
-                    max_positions=n, compressed_dims=(k,), length_norm=args.length_norm, local_window=window,
-                    local_count_once=once,
-                )  # fmt: skip
-                name = f"linformer-k{k}" + (f"-w{window}" if window else "") + ("-once" if once else "")
-                yield (
-                    name,
-                    lambda s=settings, k=k: attention.LinformerMultiheadAttention(args.embed_dim, args.heads, s, k),
-                )
+                for kernel in args.local_kernels if window else ("auto",):
+                    settings = attention.LinformerSettings(
+                        max_positions=n, compressed_dims=(k,), length_norm=args.length_norm, local_window=window,
+                        local_count_once=once, local_kernel=kernel,
+                    )  # fmt: skip
+                    name = f"linformer-k{k}" + (f"-w{window}" if window else "") + ("-once" if once else "")
+                    name += f"-{kernel}" if window and len(args.local_kernels) > 1 else ""
+                    yield (
+                        name,
+                        lambda s=settings, k=k: attention.LinformerMultiheadAttention(args.embed_dim, args.heads, s, k),
+                    )
+
+
+def check_gradients(args, attention):
+    """Each band kernel against the blockwise band in float64 at one padded batch (n = the first
+    length, k = the first k, W = each band, the recount on): the largest error of the output and of
+    each gradient over the largest reference value, beside the float64 result rounded to the dtype."""
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    n, B, k, H, D = args.lengths[0], args.batch_sizes[0], args.ks[0], args.heads, args.embed_dim // args.heads
+    g = torch.Generator(device=device).manual_seed(0)
+    q, key, value = (torch.randn(B, H, n, D, generator=g, device=device, dtype=torch.float64) for _ in range(3))
+    k_rows, v_rows = (torch.randn(B, H, k, D, generator=g, device=device, dtype=torch.float64) for _ in range(2))
+    key_real = torch.ones(B, n, dtype=torch.bool, device=device)
+    key_real[-1, n - n // 5 :] = False  # the last sentence padded
+    rows_real = torch.ones(B, k, dtype=torch.bool, device=device)
+    rows_real[-1, -k // 7 :] = False
+    offset = torch.randn(B, H, 1, 1, generator=g, device=device, dtype=torch.float64)
+    share = torch.rand(B, 1, n, k, generator=g, device=device, dtype=torch.float64).log()
+    weight = torch.randn(B, H, n, D, generator=g, device=device, dtype=torch.float64) * key_real.view(B, 1, n, 1)
+
+    def run(kernel, window, as_dtype):
+        leaves = [t.detach().to(as_dtype).clone().requires_grad_(True) for t in (q, key, value, k_rows, v_rows, offset)]
+        a, b, c, d, e, f = leaves
+        out = kernel(a, b, c, key_real, window // 2, d, e, rows_real, f, 0.0, share.to(as_dtype))
+        (out.double() * weight).sum().backward()
+        return [out.detach().double() * key_real.view(B, 1, n, 1)] + [t.grad.double() for t in leaves]
+
+    names = "output q k v k_rows v_rows offset".split()
+    print(f"| W | kernel | {' | '.join(names)} |\n| ---: | --- |" + " ---: |" * len(names))
+    for window in (w for w in args.local_windows if w):
+        reference = run(attention.attend_local_and_projected, window, torch.float64)
+        rounded = [(r.to(dtype).double() - r).abs().max() / r.abs().max() for r in reference]
+        print(f"| {window} | float64 rounded to {args.dtype} | " + " | ".join(f"{e:.1e}" for e in rounded) + " |")
+        for kernel in args.local_kernels:
+            function = attention.BAND_KERNEL_FUNCTIONS.get(kernel, attention.attend_local_and_projected)
+            try:
+                errors = [(a - r).abs().max() / r.abs().max() for a, r in zip(run(function, window, dtype), reference)]
+                print(f"| {window} | {kernel} | " + " | ".join(f"{e:.1e}" for e in errors) + " |", flush=True)
+            except Exception as error:  # one kernel failing must not hide the others' figures
+                print(f"| {window} | {kernel} | failed: {type(error).__name__}: {str(error)[:300]} |", flush=True)
 
 
 def timed(layer, x, training: bool, repeats: int, device: str):
@@ -117,6 +160,17 @@ def parse_args(argv=None):
     p.add_argument("--ks", type=int_list, default=[256], help="projected lengths k; only k < n runs (default: 256)")
     p.add_argument("--local-windows", type=int_list, default=[0, 64, 128], help="bands W (default: 0,64,128)")
     p.add_argument("--local-count-once", action="store_true", help="each band also counted once (-once), beside it")
+    p.add_argument(
+        "--local-kernels",
+        default="auto",
+        help="band kernels, comma-separated: auto, blockwise, flex "
+        "(default: auto); with several, each band runs with each (-blockwise, -flex)",
+    )
+    p.add_argument(
+        "--check-gradients",
+        action="store_true",
+        help="compare each band kernel's output and gradients with float64 instead of timing",
+    )
     p.add_argument("--length-norm", default="resample", choices=tuple(plugin_attention().LENGTH_NORM_POWERS),
                    help="the projection's --compress-length-norm (default: resample)")  # fmt: skip
     p.add_argument("--embed-dim", type=int, default=768, help="default: 768")
@@ -129,6 +183,9 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, help="also write the rows as JSON here")
     args = p.parse_args(argv)
     args.batch_sizes = args.batch_sizes or [1] * len(args.lengths)
+    args.local_kernels = args.local_kernels.split(",")
+    if bad := [k for k in args.local_kernels if k not in plugin_attention().BAND_KERNELS]:
+        p.error(f"--local-kernels: unknown {bad}; expected some of {plugin_attention().BAND_KERNELS}")
     if len(args.batch_sizes) != len(args.lengths):
         p.error(f"--batch-sizes has {len(args.batch_sizes)} values for {len(args.lengths)} lengths")
     if min(args.lengths + args.batch_sizes + [args.repeats]) < 1:
@@ -147,6 +204,8 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     attention, dtype, training = plugin_attention(), DTYPES[args.dtype], args.mode == "training"
+    if args.check_gradients:
+        return check_gradients(args, attention)
     device = torch.device(args.device)
     rows = []
     print("| n | batch | model | ms a step | peak MiB | vs full |\n| ---: | ---: | --- | ---: | ---: | ---: |")

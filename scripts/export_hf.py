@@ -161,6 +161,7 @@ def hf_config(model, kind, args, head_name, labels, mask_token_id):
             freeze_compress=s.freeze,
             local_window=s.local_window,
             local_count_once=s.local_count_once,
+            local_kernel=s.local_kernel,
             ffn_chunk_size=s.ffn_chunk_size,
         )
     else:

@@ -3,6 +3,7 @@ a dense masked reference in float64 (odd lengths, padding, windows wider than th
 gradients, every projection, exact inputs, half precision, activation checkpointing, and
 checkpoints; --local-count-once's recount of the rows against counted positions."""
 
+import copy
 import itertools
 import math
 from fractions import Fraction
@@ -11,8 +12,19 @@ import pytest
 import torch
 from test_linformer_model import HALF, assert_within_half_precision, attention, build_model, features, tokens
 
-from linformer_fairseq.modules import COMPRESS_SHARING, COMPRESS_TYPES, LinformerMultiheadAttention, LinformerSettings
-from linformer_fairseq.modules.linformer_attention import attend_local_and_projected, projection, rows_outside_band
+from linformer_fairseq.modules import (
+    COMPRESS_SHARING,
+    COMPRESS_TYPES,
+    LinformerMultiheadAttention,
+    LinformerSettings,
+    linformer_attention,
+)
+from linformer_fairseq.modules.linformer_attention import (
+    attend_local_and_projected,
+    band_geometry,
+    projection,
+    rows_outside_band,
+)
 
 PAD = 1
 
@@ -75,25 +87,37 @@ def test_band_with_the_rows_recounted_matches_the_dense_reference(T, half, R):
 
 
 def counted_share(length: int, width: Fraction, rows: int, half: int, T: int):
-    """rows_outside_band by counting: the share of row r's window [r w, (r + 1) w) that query i's
-    band [i - half, i + half] does not read among the L real positions, in steps of 1/d (w = m/d)."""
+    """rows_outside_band by counting: the share of the real positions in row r's window [r w, (r + 1)
+    w) that query i's band [i - half, i + half] does not read, in steps of 1/d (w = m/d) among the L
+    real positions; 1 for a row past the sentence."""
     m, d = width.numerator, width.denominator
     share = torch.empty(T, rows, dtype=torch.float64)
     for i, r in itertools.product(range(T), range(rows)):
-        window = set(range(r * m, (r + 1) * m))
+        window = set(range(r * m, min((r + 1) * m, d * length)))
         band = set(range(d * max(0, i - half), d * min(length, i + half + 1)))
-        share[i, r] = len(window - band) / m
+        share[i, r] = len(window - band) / len(window) if window else 1.0
     return share.log()
 
 
-@pytest.mark.parametrize("length,width,rows,half,T", [(20, 4, 8, 3, 24), (9, 2, 8, 0, 12), (30, 5, 6, 40, 30)])
+@pytest.mark.parametrize(
+    "length,width,rows,half,T", [(20, 4, 8, 3, 24), (9, 2, 8, 0, 12), (30, 5, 6, 40, 30), (10, 4, 3, 3, 10)]
+)
 def test_rows_outside_band_counts_the_positions_the_band_leaves(length, width, rows, half, T):
-    """Windows of n/k positions (past the sentence too), a band wider than the input, half = 0."""
+    """Windows of n/k positions (past the sentence too, and a last one the sentence fills in part), a
+    band wider than the input, half = 0."""
     got = rows_outside_band(torch.tensor([length]), torch.tensor([float(width)]), rows, half, T)
     expected = counted_share(length, Fraction(width), rows, half, T)
     assert got.shape == (1, 1, T, rows)
     torch.testing.assert_close(got[0, 0].exp(), expected.exp(), atol=1e-12, rtol=0)
     assert torch.equal(got[0, 0].isinf(), expected.isinf()), "a row the band covers must drop out"
+
+
+def test_a_last_partial_row_drops_out_where_the_band_reads_all_its_tokens():
+    """Pooling by s = 4 over L = 10 tokens: row 2 holds tokens 8 and 9 only, so with W = 6 the
+    queries whose band reads both (6 to 9) leave it nothing to stand for, and query 5, whose band
+    reads token 8, leaves it half."""
+    share = rows_outside_band(torch.tensor([10]), torch.tensor([4.0]), 3, 3, 10)[0, 0, :, 2].exp()
+    torch.testing.assert_close(share, torch.tensor([1, 1, 1, 1, 1, 0.5, 0, 0, 0, 0], dtype=torch.float64))
 
 
 def test_rows_outside_band_takes_out_exactly_the_band_from_stretched_rows():
@@ -102,7 +126,7 @@ def test_rows_outside_band_takes_out_exactly_the_band_from_stretched_rows():
     lengths, k, half, T = torch.tensor([37, 23, 5]), 8, 4, 37
     width = lengths.double() / k
     share = rows_outside_band(lengths, width, k, half, T)[:, 0]  # B x T x R
-    taken = ((1 - share.exp()) * width.view(-1, 1, 1)).sum(-1)  # B x T
+    taken = ((1 - share.exp()) * width.view(-1, 1, 1)).sum(-1)  # B x T: these rows are all covered whole
     at = torch.arange(T)
     band = (torch.minimum(at + half + 1, lengths.view(-1, 1)) - (at - half).clamp(min=0)).clamp(min=0)
     real = at.view(1, T) < lengths.view(-1, 1)
@@ -177,8 +201,74 @@ def test_band_backward_keeps_no_weights():
     assert kept_bytes(0.1) - without_dropout <= weights / 4, "more than a byte a weight kept for dropout"
 
 
+@pytest.mark.parametrize("block,T,half", [(3, 13, 4), (5, 11, 2), (7, 9, 1), (2, 10, 5), (4, 6, 0)])
+def test_band_with_other_blocks_matches_the_dense_reference_and_its_gradients(monkeypatch, block, T, half):
+    """Blocks other than the band's half width (BAND_BLOCK), spans that are not a multiple of them:
+    the forward pass and the backward pass, which folds each block's span back onto the keys."""
+    monkeypatch.setattr(linformer_attention, "BAND_BLOCK", block)
+    assert band_geometry(half, T).block == block
+    q, k, v, key_real, k_rows, v_rows, rows_real, offset = band_inputs(T=T, R=3, B=2, H=2, D=3)
+    share = random_share(T, 3)
+    got = attend_local_and_projected(q, k, v, key_real, half, k_rows, v_rows, rows_real, offset, 0.0, share)
+    expected = dense_band_and_rows(q, k, v, key_real, half, k_rows, v_rows, rows_real, offset, share)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+    inputs = [t.requires_grad_() for t in (q, k, v, k_rows, v_rows, offset)]
+
+    def band(q, k, v, k_rows, v_rows, offset):
+        return attend_local_and_projected(q, k, v, key_real, half, k_rows, v_rows, rows_real, offset, 0.0, share)
+
+    assert torch.autograd.gradcheck(band, inputs)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_precision_band_computes_in_float32(dtype):
+    """In bf16 and fp16 the band's scores, exponentials, sums, products with the values and softmax
+    backward run in float32, as fused attention kernels do: on half-precision inputs, the output and
+    every gradient are as close to float64 on the same inputs as the float64 result rounded to the
+    dtype (the baseline: no result in the dtype does better), at most 1.5x its mean error. Computed
+    in the dtype they were 5x (output) and 4x to 8x (gradients) the baseline away."""
+    q, k, v, key_real, k_rows, v_rows, rows_real, offset = band_inputs(T=97, R=8, B=2, H=2, D=16)
+    share = random_share(97, 8)
+    q = q * 2  # peaked attention
+    halves = [t.to(dtype) for t in (q, k, v, k_rows, v_rows)]
+    exact = [t.double().requires_grad_() for t in halves]
+    reference = dense_band_and_rows(*exact[:3], key_real, 4, *exact[3:], rows_real, offset, share)
+    grad = torch.randn_like(reference).to(dtype)
+    expected = torch.autograd.grad(reference, exact, grad.double())
+    inputs = [t.requires_grad_() for t in halves]
+    out = attend_local_and_projected(*inputs[:3], key_real, 4, *inputs[3:], rows_real, offset, 0.0, share)
+    assert out.dtype == dtype
+    got = torch.autograd.grad(out, inputs, grad)
+    for name, g, e in zip(("output", "q", "k", "v", "k_rows", "v_rows"), (out, *got), (reference, *expected)):
+        assert g.dtype == dtype
+        error, rounding = (g.double() - e).abs().mean(), (e.to(dtype).double() - e).abs().mean()
+        assert error <= 1.5 * rounding, f"{name}: mean error {error / rounding:.2f}x the rounding to {dtype}"
+
+
+def largest_allocation(run) -> int:
+    """The largest single allocation (bytes) on the CPU while ``run()`` runs."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    return max(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+
+
+def test_band_forward_allocates_nothing_of_T_by_T():
+    """A training forward of a band layer at T = 4,096, W = 8 (count once, padding): no allocation
+    holds T x T bytes, let alone T x T weights (the check sees one, too)."""
+    T = 4096
+    torch.manual_seed(0)
+    attn = attention(8, 2, T, 16, length_norm="exact", local_window=8, local_count_once=True).train()
+    x = torch.randn(T, 2, 8)
+    pad_mask = torch.arange(T).view(1, T) >= torch.tensor([T, T - 1000]).view(-1, 1)
+    assert largest_allocation(lambda: torch.ones(T, T, dtype=torch.bool)) >= T * T
+    assert largest_allocation(lambda: attn(x, key_padding_mask=pad_mask)) < T * T
+
+
 def module_reference(attn, x, pad_mask):
-    """The module's output from its own projected rows, recomputed densely in float64."""
+    """The module's output from its own projected rows, recomputed densely in float64: a row stands
+    for n/k tokens, or for L/k (below 1 when L < k) where resample / exact stretch E over a sentence
+    of L tokens; a sentence exact reads as its own rows (at most k tokens, and in training not marked
+    by read_projected) gets no band."""
     T, B, C = x.shape
     H, D = attn.num_heads, attn.head_dim
     k_rows, v_rows, kept = attn.project_keys_values(x, pad_mask)
@@ -187,26 +277,28 @@ def module_reference(attn, x, pad_mask):
         return t.view(t.size(0), B, H, D).permute(1, 2, 0, 3)
 
     q, k, v = heads(attn.q_proj(x)), heads(attn.k_proj(x)), heads(attn.v_proj(x))
-    lengths = (~pad_mask).sum(1).double()
+    lengths = (~pad_mask).sum(1)
     proj = attn.compress_k
-    if proj.kind == "linear" and proj.length_power < 0:  # resample / exact stretch E over each sentence
-        count = (lengths / proj.k).clamp(min=1).log().view(B, 1, 1, 1)
-    else:
-        count = torch.full((B, 1, 1, 1), math.log(proj.max_positions / proj.k), dtype=torch.float64)
-    offset = count + attn.local_far_bias.view(1, H, 1, 1)
     key_real = ~pad_mask
     half, exact = attn.local_window // 2, torch.zeros(B, dtype=torch.bool)
     if proj.kind == "linear" and proj.length_power == -2.0:  # exact: short sentences' rows are their tokens
         exact = lengths <= proj.k
+        if attn.training and proj.read_projected is not None:
+            exact &= ~proj.read_projected
         key_real = key_real & ~exact.view(B, 1)
+    stretched = proj.kind == "linear" and proj.length_power < 0
+    widths = [
+        Fraction(1) if exact[b] else Fraction(length, proj.k) if stretched else Fraction(proj.max_positions, proj.k)
+        for b, length in enumerate(lengths.tolist())
+    ]
+    count = torch.tensor([math.log(w) for w in widths], dtype=torch.float64).view(B, 1, 1, 1)
+    offset = count + attn.local_far_bias.view(1, H, 1, 1)
     share = None
-    if attn.local_count_once:  # the rows as windows of n/k positions, or L/k under resample / exact
-        stretched = proj.kind == "linear" and proj.length_power < 0
+    if attn.local_count_once:  # the positions of each row's window that the band leaves
         share = torch.zeros(B, 1, T, k_rows.size(0), dtype=torch.float64)
-        for b, length in enumerate(lengths.long().tolist()):
-            width = Fraction(length, proj.k) if stretched else Fraction(proj.max_positions, proj.k)
+        for b, length in enumerate(lengths.tolist()):
             if not exact[b]:
-                share[b, 0] = counted_share(length, width, k_rows.size(0), half, T)
+                share[b, 0] = counted_share(length, widths[b], k_rows.size(0), half, T)
     out = dense_band_and_rows(q, k, v, key_real, half, heads(k_rows), heads(v_rows), kept, offset, share)
     return attn.out_proj(out.permute(2, 0, 1, 3).reshape(T, B, C))
 
@@ -244,13 +336,21 @@ def test_module_matches_the_dense_reference_for_every_projection(kind, sharing, 
         torch.testing.assert_close(alone[:, 0], got[:15, 1], atol=1e-12, rtol=0)
 
 
-def test_module_gradients_match_the_dense_reference():
-    """Gradients of the input and every parameter through the module, with padding."""
+@pytest.mark.parametrize(
+    "kind,length_norm,count_once",
+    [("linear", "none", False), ("linear", "exact", True), ("linear", "resample", True), ("mean", "none", True)],
+)
+def test_module_gradients_match_the_dense_reference(kind, length_norm, count_once):
+    """Gradients of the input and every parameter through the module, with padding; counted once,
+    with a sentence exact reads as its own rows, rows of L/k tokens and pooled rows the sentence fills
+    in part."""
     n, k, T, W = 64, 8, 61, 16
     torch.manual_seed(0)
-    attn = LinformerMultiheadAttention(16, 4, LinformerSettings(n, (k,), "headwise", local_window=W), k)
-    attn = attn.double()
-    pad_mask = torch.arange(T).view(1, T) >= torch.tensor([61, 40, 9]).view(-1, 1)
+    settings = LinformerSettings(n, (k,), "headwise", kind, length_norm, local_window=W, local_count_once=count_once)
+    attn = LinformerMultiheadAttention(16, 4, settings, k).double()
+    with torch.no_grad():
+        attn.local_far_bias.copy_(torch.tensor([0.5, -1.0, 0.0, 2.0]))
+    pad_mask = torch.arange(T).view(1, T) >= torch.tensor([61, 40, 6]).view(-1, 1)
     x = torch.randn(T, 3, 16, dtype=torch.float64, requires_grad=True)
     target = torch.randn(T, 3, 16, dtype=torch.float64) * ~pad_mask.t().unsqueeze(-1)
     params = [x, *attn.parameters()]
@@ -260,6 +360,116 @@ def test_module_gradients_match_the_dense_reference():
         assert (g is None) == (e is None), name
         if g is not None:
             torch.testing.assert_close(g, e, atol=1e-10, rtol=1e-8, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("count_once", [False, True])
+def test_sentences_read_through_resample_stand_for_L_over_k_tokens_a_row(count_once):
+    """--compress-resample-prob in training: a sentence of L <= k tokens that read_projected marks is
+    read as resample reads it, its k rows L/k tokens each (5/16 at L = 5: k rows for its 5 tokens),
+    beside its band; an unmarked one is read exactly (its rows are its tokens, no band); longer ones
+    as before. Against the dense reference, with the band's rows counted once or not."""
+    n, k, T = 32, 16, 30
+    torch.manual_seed(0)
+    settings = LinformerSettings(
+        n, (k,), "headwise", "linear", "exact", "xavier", resample_prob=0.5, local_window=4, local_count_once=count_once
+    )
+    attn = LinformerMultiheadAttention(16, 4, settings, k).double().train()
+    with torch.no_grad():
+        attn.local_far_bias.copy_(torch.tensor([0.5, -1.0, 0.0, 2.0]))
+    lengths, drawn = torch.tensor([5, 5, 12, 23, 30]), torch.tensor([True, False, True, False, True])
+    attn.compress_k.read_projected = attn.compress_v.read_projected = drawn
+    pad_mask = torch.arange(T).view(1, T) >= lengths.view(-1, 1)
+    sentences = attn.compress_k.sentences(pad_mask, T, 5, "cpu")
+    assert sentences.exact.tolist() == [False, True, False, False, False]
+    torch.testing.assert_close(
+        sentences.width, torch.tensor([5 / 16, 1, 12 / 16, 23 / 16, 30 / 16], dtype=torch.float64)
+    )
+    x = torch.randn(T, 5, 16, dtype=torch.float64)
+    with torch.no_grad():
+        got, _ = attn(x, key_padding_mask=pad_mask)
+        expected = module_reference(attn, x, pad_mask)
+    real = ~pad_mask.t()
+    torch.testing.assert_close(got[real], expected[real], atol=1e-12, rtol=0)
+
+
+def test_per_sentence_quantities_are_computed_once_a_forward(monkeypatch):
+    """Lengths, exact reading and row width come from one place (SequenceProjection.sentences), once
+    a layer's forward, for E, F and the band alike."""
+    calls = []
+    counted = linformer_attention.sentence_lengths
+    monkeypatch.setattr(linformer_attention, "sentence_lengths", lambda *args: calls.append(1) or counted(*args))
+    attn = attention(16, 4, 32, 8, length_norm="exact", local_window=4, local_count_once=True)
+    pad_mask = torch.arange(20).view(1, 20) >= torch.tensor([20, 6]).view(-1, 1)
+    attn(torch.randn(20, 2, 16), key_padding_mask=pad_mask)
+    assert len(calls) == 1
+
+
+def test_the_band_with_resample_prob_reads_each_sentence_as_one_model_reads_it():
+    """A model trained with --compress-resample-prob and a band: in training each sentence's features
+    are those of the sentence alone, either in eval (read exactly, no band: L <= k) or in a model that
+    resamples every sentence, band and recount included; longer sentences read the same in both."""
+    band = dict(local_window=4, local_count_once=True)
+    model = build_model(compress_length_norm="exact", compress_resample_prob=0.5, **band)
+    with torch.no_grad():
+        for layer in model.encoder.sentence_encoder.layers:
+            layer.self_attn.local_far_bias.copy_(torch.tensor([0.5, -1.0, 0.0, 2.0]))
+    state = model.state_dict()
+    resample = build_model(compress_length_norm="resample", **band)
+    resample.load_state_dict({key: torch.tensor(-1.0) if key.endswith("length_norm_power") else value
+                              for key, value in state.items()})  # fmt: skip
+    lengths = [3, 5, 7, 6, 4, 2, 7, 5, 3, 6, 12, 20]
+    src = tokens(max(lengths), batch=len(lengths), seed=1)
+    for b, L in enumerate(lengths):
+        src[b, L:] = PAD
+    with torch.no_grad():
+        alone = [(features(model, src[b : b + 1, :L])[0], features(resample, src[b : b + 1, :L])[0])
+                 for b, L in enumerate(lengths)]  # fmt: skip
+        torch.manual_seed(0)
+        trained = features(model.train(), src)
+    readings = []
+    for b, L in enumerate(lengths):
+        exact, projected = alone[b]
+        as_exact = torch.allclose(trained[b, :L], exact, atol=1e-5, rtol=0)
+        as_projected = torch.allclose(trained[b, :L], projected, atol=1e-5, rtol=0)
+        assert as_projected if L > 8 else as_exact or as_projected, f"sentence {b} (L={L}) read as neither reading"
+        readings.append("projected" if as_projected else "exact")
+    assert set(readings[:-2]) == {"exact", "projected"}, readings
+
+
+def test_layers_with_and_without_a_band_by_their_k():
+    """Per-layer k under exact: a layer whose k covers the input (32) reads every sentence exactly and
+    has no band, the next (k = 8) bands the sentences longer than 8. Sentences of at most 8 tokens get
+    the band-free model's features; the banded layer matches its dense reference on what it is given;
+    a sentence alone gives what it gives padded in the batch."""
+    dims = dict(layer_compressed_dims="32,8", compress_length_norm="exact")
+    plain, banded = build_model(**dims), build_model(local_window=4, local_count_once=True, **dims)
+    banded.load_state_dict(plain.state_dict())
+    layers = banded.encoder.sentence_encoder.layers
+    with torch.no_grad():
+        for layer in layers:
+            layer.self_attn.local_far_bias.copy_(torch.tensor([0.5, -1.0, 0.0, 2.0]))
+    lengths = [25, 8, 17, 5]
+    src = tokens(25, batch=4, seed=3)
+    for b, L in enumerate(lengths):
+        src[b, L:] = PAD
+    pad_mask = src.eq(PAD)
+    with torch.no_grad():
+        out, extra = banded(src, features_only=True, return_all_hiddens=True)
+        reference = features(plain, src)
+        inner = extra["inner_states"]
+        for b, L in enumerate(lengths):
+            torch.testing.assert_close(features(banded, src[b : b + 1, :L])[0], out[b, :L], atol=1e-5, rtol=0)
+        attn = layers[1].self_attn
+        x = layers[1].self_attn_layer_norm(inner[1]) if layers[1].normalize_before else inner[1]
+        got = attn(x, key_padding_mask=pad_mask)[0]
+        expected = module_reference(copy.deepcopy(attn).double(), x.double(), pad_mask)
+    real = ~pad_mask.t()
+    torch.testing.assert_close(got[real], expected[real].float(), atol=1e-5, rtol=0)
+    for b, L in enumerate(lengths):
+        if L <= 8:
+            torch.testing.assert_close(out[b, :L], reference[b, :L], atol=1e-5, rtol=0)
+        else:
+            assert (out[b, :L] - reference[b, :L]).abs().max() > 1e-3, "the band changed nothing on a long input"
 
 
 def test_window_zero_is_the_linformer_and_exact_inputs_get_no_band():

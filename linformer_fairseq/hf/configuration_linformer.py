@@ -46,6 +46,8 @@ class LinformerConfig(PretrainedConfig):
             (`--local-window`; 0: none).
         local_count_once (`bool`): each projected row leaves out the tokens of its window that the query's
             band reads (`--local-count-once`).
+        local_kernel (`str`): auto, blockwise or flex: how the band is computed (`--local-kernel`); the
+            numbers are the same, only speed and memory differ.
         ffn_chunk_size (`int`): in inference, run each feed-forward block over this many positions at a
             time (0: off); same outputs.
         initializer_range (`float`): std of the normal init of new weights (a new classification head).
@@ -87,6 +89,7 @@ class LinformerConfig(PretrainedConfig):
         freeze_compress=False,
         local_window=0,
         local_count_once=False,
+        local_kernel="auto",
         ffn_chunk_size=0,
         initializer_range=0.02,
         pad_token_id=1,
@@ -129,6 +132,7 @@ class LinformerConfig(PretrainedConfig):
         self.freeze_compress = bool(freeze_compress)
         self.local_window = int(local_window)
         self.local_count_once = bool(local_count_once)
+        self.local_kernel = str(local_kernel)
         self.ffn_chunk_size = ffn_chunk_size
         self.initializer_range = initializer_range
         self.unk_token_id = unk_token_id

@@ -70,6 +70,7 @@ def linformer_settings(config: LinformerConfig) -> LinformerSettings:
         ffn_chunk_size=config.ffn_chunk_size,
         local_window=getattr(config, "local_window", 0),  # folders exported before the band have none
         local_count_once=getattr(config, "local_count_once", False),
+        local_kernel=getattr(config, "local_kernel", "auto"),
     )
 
 

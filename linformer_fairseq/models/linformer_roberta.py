@@ -146,6 +146,15 @@ class LinformerRobertaConfig(FairseqDataclass):
             "input under resample/exact): pooling, and E/F that average windows (the converter's avg)"
         },
     )
+    local_kernel: str = field(
+        default="auto",
+        metadata={
+            "help": "how the band of --local-window is computed: blockwise (plain PyTorch, any device), flex "
+            "(torch's compiled flex_attention: one fused kernel over the band and the rows, no attention dropout), "
+            "or auto (flex where it is known to be fast and right, blockwise otherwise; docs/model.md). The same "
+            "numbers either way: a checkpoint runs with any kernel"
+        },
+    )
     freeze_compress: int = field(default=0, metadata={"help": "1: freeze the projection parameters"})
     shared_kv_compressed: int = field(default=0, metadata={"help": "legacy: 1 means --compress-sharing kv"})
     shared_layer_kv_compressed: int = field(

@@ -3,8 +3,9 @@
 Use as ``fairseq-train --user-dir linformer_fairseq --arch linformer_roberta_base ...``.
 Importing registers the ``linformer_roberta`` model and its architectures, the
 ``roberta_imported`` model (a RoBERTa imported from transformers by scripts/import_hf.py), the
-``long_sentence_prediction`` task (documents longer than the model: head / tail / head+tail) and
-``--bpe hf_tokenizer`` (a tokenizer.json).
+``long_sentence_prediction`` task (documents longer than the model: head / tail / head+tail),
+``--bpe hf_tokenizer`` (a tokenizer.json) and ``--optimizer adam_fused`` (fairseq's adam in
+PyTorch's fused AdamW kernel).
 """
 
 import argparse
@@ -39,6 +40,7 @@ torch.serialization.add_safe_globals(
 from . import encoders  # noqa: E402, F401  (registers --bpe hf_tokenizer)
 from .models.imported_roberta import ImportedRobertaModel  # noqa: E402
 from .models.linformer_roberta import LinformerRobertaModel  # noqa: E402  (registers the models)
+from .optim import adam_fused  # noqa: E402, F401  (registers the optimizer)
 from .tasks import long_sentence_prediction  # noqa: E402, F401  (registers the task)
 
 __all__ = ["ImportedRobertaModel", "LinformerRobertaModel"]

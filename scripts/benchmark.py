@@ -3,7 +3,15 @@
 top right) over a grid of sequence lengths n and projected lengths k, each point in a fresh process: inference
 (a forward) or training (forward, masked-LM loss, backward and Adam step), optionally next to fairseq's original
 Linformer example. Writes benchmark.{md,csv,json} and time_vs_length.png to --out-dir. Method, columns and
-figures: docs/benchmarks.md."""
+figures: docs/benchmarks.md.
+
+--mode update instead times fairseq's own update (Trainer.train_step, built from
+configs/pretraining/CONFIG.yaml as the launchers build it: masked_lm, the config's optimizer and schedule,
+--dtype fp16 / bf16 through fairseq's FP16Optimizer) against the model's bare training step on the same batch,
+counts with torch.profiler where the difference goes (host syncs, copies, optimizer, CPU time), and ends with
+"update/step speed: R" (bare step ms / update ms; 1.0: no overhead). Writes update.json to --out-dir. E.g.
+  benchmark.py --mode update --config roberta_base --batch-size 32 --device cuda --dtype fp16
+  benchmark.py --mode update --config linformer_n512_k128_headwise --lengths 128 --encoder-layers 2 --batch-size 8"""
 
 import argparse
 import functools
@@ -17,11 +25,13 @@ from pathlib import Path
 
 import torch
 
-from linformer_tools import measure, models
+from linformer_tools import measure, models, update
 from linformer_tools.benchmark_report import BASELINES, MASKED_SHARE, PAPER_KS, VOCAB_SIZE, row, write_reports
 from linformer_tools.common import cell, fail, machine, write_text
 
 GIB = 1024**3
+DEFAULT_LENGTHS = [2**i for i in range(9, 17)]
+ENCODER_DEFAULTS = {"layers": 12, "embed_dim": 768, "ffn_embed_dim": 3072, "attention_heads": 12}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -40,11 +50,24 @@ def count(text):  # one integer >= 1
     return value
 
 
+def config_list(text):
+    names = [name.removesuffix(".yaml") for name in text.split(",")]
+    choices = sorted(p.stem for p in update.PRETRAINING.glob("*.yaml") if p.stem not in ("recipe", "extend"))
+    if bad := [name for name in names if name not in choices]:
+        raise argparse.ArgumentTypeError(f"no pretraining config {bad}; choose from {','.join(choices)}")
+    return names
+
+
 def get_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     arg = p.add_argument
-    arg("--mode", default="inference", choices=sorted(STEPS), help="what one timed step is")
-    arg("--lengths", type=positive, default=[2**i for i in range(9, 17)], help="sequence lengths n, comma-separated")
+    arg("--mode", default="inference", choices=sorted(STEPS) + ["update"], help="what one timed step is")
+    arg(
+        "--lengths",
+        type=positive,
+        help=f"sequence lengths n, comma-separated (default: {','.join(map(str, DEFAULT_LENGTHS))}; "
+        "--mode update: each config's task.tokens_per_sample)",
+    )
     arg("--ks", type=positive, default=list(PAPER_KS), help="projected lengths k; only k < n runs")
     arg("--ffn-chunk-size", type=int_list, default=[0], help="one Linformer per value; 0: no chunking")
     arg("--local-windows", type=int_list, default=[0], help="one Linformer per value: its local band W; 0: none")
@@ -58,10 +81,27 @@ def get_parser():
         help="adds fairseq's original example: examples/linformer/linformer_src of fairseq's source or package",
     )
     arg("--checkpoint-activations", action="store_true", help="every model recomputes activations in backward")
-    arg("--profile", action="store_true", help="also write each point's torch.profiler table of one step")
-    for name, default in [("layers", 12), ("embed-dim", 768), ("ffn-embed-dim", 3072), ("attention-heads", 12)]:
-        arg(f"--encoder-{name}", type=count, default=default, help="every model's")
+    arg("--profile", action="store_true", help="each point's torch.profiler table of one step (update: top operators)")
+    for name, default in ENCODER_DEFAULTS.items():
+        flag, why = f"--encoder-{name.replace('_', '-')}", f"every model's (default {default}; update: the config's)"
+        arg(flag, type=count, help=why)
     arg("--batch-size", type=count, default=1, help="sequences per step")
+    update_flags = p.add_argument_group("--mode update")
+    update_flags.add_argument(
+        "--config",
+        type=config_list,
+        default="linformer_n512_k128_headwise",
+        help="pretraining configs (configs/pretraining/NAME.yaml), comma-separated: the model, optimizer, schedule",
+    )
+    update_flags.add_argument(
+        "--override", action="append", default=[], metavar="KEY=VALUE", help="a hydra override for every config"
+    )
+    update_flags.add_argument("--data", type=Path, help="a data-bin: its train batches (default: synthetic batches)")
+    update_flags.add_argument("--batches", type=count, default=2, help="distinct batches the timed steps cycle over")
+    update_flags.add_argument("--warmup", type=count, default=3, help="untimed updates first (their losses are kept)")
+    update_flags.add_argument("--profile-steps", type=count, default=3, help="steps of each kind the profiler counts")
+    update_flags.add_argument("--profile-rows", type=count, default=15, help="--profile: rows of each operator table")
+    update_flags.add_argument("--vocab-size", type=count, default=VOCAB_SIZE, help="synthetic dictionary's size")
     arg("--dtype", default="fp32", choices=sorted(DTYPES), help="weights and activations")
     arg("--device", default="cpu", choices=["cpu", "cuda"], help="where the models run")
     arg("--threads", type=int, default=0, help="CPU threads per point; 0: torch's choice")
@@ -189,6 +229,7 @@ def run_worker(spec):
 GRID_FLAGS = set(
     "lengths ks ffn_chunk_size local_windows local_count_once baselines".split()
     + "memory_limit_gb timeout out_dir resume worker".split()
+    + "config override data batches warmup profile_steps profile_rows vocab_size".split()  # --mode update's
 )
 
 
@@ -211,7 +252,24 @@ def make_grid(args):
     return specs
 
 
+def check_update_args(args):
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
+    if args.device == "cpu" and args.dtype == "fp16":
+        fail("--mode update --dtype fp16 needs --device cuda: fairseq's fp16 runs on GPUs (on a CPU: fp32 or bf16)")
+    if args.data is not None and not (args.data / "dict.txt").is_file():
+        fail(f"--data {args.data}: not a fairseq data-bin (no dict.txt)")
+    if bad := [o for o in args.override if "=" not in o]:
+        fail(f"--override takes KEY=VALUE, got {bad}")
+    if (d := args.encoder_embed_dim) and (heads := args.encoder_attention_heads) and d % heads:
+        fail(f"--encoder-embed-dim {d} is not divisible by --encoder-attention-heads {heads}")
+
+
 def check_args(args):
+    args.lengths = args.lengths or DEFAULT_LENGTHS
+    for name, default in ENCODER_DEFAULTS.items():
+        if getattr(args, f"encoder_{name}") is None:
+            setattr(args, f"encoder_{name}", default)
     if args.baseline_user_dir:
         if not (args.baseline_user_dir / "models" / "linformer_roberta.py").is_file():
             fail(
@@ -293,6 +351,12 @@ def main(argv=None):
     args = get_parser().parse_args(argv)
     if args.worker:
         return run_worker(json.loads(args.worker))
+    if args.mode == "update":
+        check_update_args(args)
+        results = update.run(args)
+        environment = dict(command=" ".join([Path(__file__).name, *argv]), **machine(args.device))
+        write_text(args.out_dir / "update.json", json.dumps({"environment": environment, "results": results}, indent=1))
+        return results
     check_args(args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report = run_grid(args, argv)

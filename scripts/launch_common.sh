@@ -17,8 +17,10 @@ COMMON_HELP="  --gpus N            GPUs per node (default: all visible ones)
   --save-dir DIR      checkpoints, hydra_train.log, tensorboard/ and .hydra/ go here; relaunching
                       with the same DIR resumes from DIR/checkpoint_last.pt (or, if that file
                       is incomplete, from the newest complete checkpoint in DIR)
-  --dry-run           print the plan (world size, ranks, update_freq, paths) and the exact
-                      command, run nothing
+  --dry-run           print the plan (world size, ranks, threads, update_freq, paths) and the
+                      exact command, run nothing
+  OMP_NUM_THREADS     CPU threads per rank (default: the node's cores / ranks on the node, under
+                      Slurm its --cpus-per-task); a value you export is kept
   -h, --help          this help
   OVERRIDE ...        hydra overrides for fairseq-hydra-train, e.g. optimization.max_update=1000
                       (+run_config=local, model.encoder_layers=2, common.bf16=true, ...)"
@@ -83,6 +85,28 @@ set_world_size() {
     WORLD=$((NODES * GPUS))
 }
 
+# set_threads: OMP_NUM_THREADS, every rank's share of its node's cores, unless the caller set it.
+# Each process's torch (and MKL) otherwise starts one thread per core of the node, so N ranks on a
+# node run N x cores threads for their CPU-side work, which starves the processes that feed the
+# GPUs (fairseq issue #3342: OMP_NUM_THREADS=1 took 8 GPUs from ~30% to 97-100% busy).
+THREADS_NOTE=''
+set_threads() {
+    local cores
+    if [[ -n ${OMP_NUM_THREADS:-} ]]; then
+        THREADS_NOTE="OMP_NUM_THREADS=$OMP_NUM_THREADS per rank (yours, kept)"
+        return
+    fi
+    if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then  # one task per rank: its own cores
+        OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK
+        THREADS_NOTE="OMP_NUM_THREADS=$OMP_NUM_THREADS per rank (Slurm's --cpus-per-task)"
+    else
+        cores=${SLURM_CPUS_ON_NODE:-$(nproc)}
+        OMP_NUM_THREADS=$((cores / GPUS > 1 ? cores / GPUS : 1))
+        THREADS_NOTE="OMP_NUM_THREADS=$OMP_NUM_THREADS per rank ($cores cores / $GPUS rank(s) on the node; set OMP_NUM_THREADS to choose)"
+    fi
+    export OMP_NUM_THREADS
+}
+
 print_plan() {  # WORLD BATCH UPDATE_FREQ GLOBAL_BATCH
     if ((CPU && $1 == 1)); then
         echo "plan: CPU, world size 1 (rank 0)"
@@ -97,6 +121,7 @@ print_plan() {  # WORLD BATCH UPDATE_FREQ GLOBAL_BATCH
             echo "  node $node: ranks $((node * GPUS))-$((node * GPUS + GPUS - 1))"
         done
     fi
+    echo "threads: $THREADS_NOTE"
     echo "batch: $2 sequences per GPU x update_freq $3 x world size $1 = global batch $4"
     if [[ -n $TOKEN_CAP_NOTE ]]; then
         echo "  $TOKEN_CAP_NOTE"
@@ -120,6 +145,7 @@ FROM='' BLOCKS_OF_MODEL_LENGTH=0 RESUME='' RESUME_NOTE='' TOKEN_CAP_NOTE=''
 launch() {
     local config_dir=$1 config=$2 answer line batch update_freq global_batch flags=()
     set_world_size
+    set_threads
     SAVE_DIR=$(realpath -m "$SAVE_DIR")  # every node and rank must see the same path
     if [[ -n $FROM ]]; then
         [[ -f $FROM ]] || die "checkpoint $FROM does not exist"

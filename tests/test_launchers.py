@@ -152,6 +152,39 @@ def test_sbatch_dry_run_cpu_ranks():
     assert "distributed_init_method" not in command and "distributed_rank" not in command  # fairseq's Slurm init
 
 
+THREADS = re.compile(r"^threads: OMP_NUM_THREADS=(\d+) per rank \((.*)\)$", re.M)
+CORES = len(os.sched_getaffinity(0))  # what nproc counts
+
+
+@pytest.mark.parametrize(
+    "cmd, env, expected",
+    [
+        # each rank gets the node's cores over the ranks on the node, at least one
+        ([PRETRAIN, "--dry-run", "--gpus", "1", CONFIG, "data"], {}, CORES),
+        ([PRETRAIN, "--dry-run", "--gpus", "64", CONFIG, "data"], {}, 1),
+        ([PRETRAIN, "--dry-run", "--gpus", "2", CONFIG, "data"], {"SLURM_CPUS_ON_NODE": "48"}, 24),
+        ([PRETRAIN_SBATCH, "--dry-run", "--nodes", "2", CONFIG, "data"], {"SLURM_CPUS_ON_NODE": "80"}, 10),
+        ([PRETRAIN, "--dry-run", "--gpus", "8", CONFIG, "data"], {"SLURM_CPUS_PER_TASK": "10"}, 10),  # srun's tasks
+        ([FINETUNE, "--dry-run", "--cpu", "sst_2", "model.pt"], {}, CORES),
+        ([FINETUNE_SBATCH, "--dry-run", "model.pt"], {"SLURM_CPUS_PER_TASK": "8"}, 8),
+        # a value the user exported is kept, whatever the ranks
+        ([PRETRAIN, "--dry-run", "--gpus", "64", CONFIG, "data"], {"OMP_NUM_THREADS": "5"}, 5),
+        ([FINETUNE, "--dry-run", "--cpu", "sst_2", "model.pt"], {"OMP_NUM_THREADS": "3"}, 3),
+    ],
+)
+def test_plan_gives_each_rank_its_share_of_the_cores(cmd, env, expected, tmp_path):
+    checkpoint = {"cfg": {"model": {"_name": "roberta", "max_positions": 512}}}  # what a finetuning plan reads
+    torch.save(checkpoint, tmp_path / "model.pt")
+    base = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS" and not k.startswith("SLURM_")}
+    proc = subprocess.run(
+        [str(c) for c in cmd], cwd=tmp_path, env=base | env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (threads, why), *_ = THREADS.findall(proc.stdout)
+    assert int(threads) == expected, proc.stdout
+    assert ("yours, kept" in why) == ("OMP_NUM_THREADS" in env)
+
+
 def truncate(path, keep=0.5):
     """What a kill during fairseq's plain copy onto PATH leaves: the first part of the file."""
     data = path.read_bytes()
@@ -269,7 +302,9 @@ def test_tensorboard_has_the_training_loss(resumed):
     assert [e.step for e in valid.Scalars("loss")][-1] == MAX_UPDATE
 
 
-def test_bf16_steps_on_cpu(tmp_path, wikitext_bin):
+@pytest.mark.parametrize("optimizer", ["adam", "adam_fused"])
+def test_bf16_steps_on_cpu(optimizer, tmp_path, wikitext_bin):
+    """common.bf16=true through the launcher, with fairseq's adam and with the plugin's adam_fused."""
     save = tmp_path / "bf16"
     run(
         [
@@ -280,6 +315,7 @@ def test_bf16_steps_on_cpu(tmp_path, wikitext_bin):
             CONFIG,
             wikitext_bin,
             "common.bf16=true",
+            f"optimizer._name={optimizer}",
             "optimization.max_update=24",
             "optimization.lr=[0.002]",
             "checkpoint.save_interval_updates=0",
@@ -290,6 +326,7 @@ def test_bf16_steps_on_cpu(tmp_path, wikitext_bin):
     assert state["cfg"]["common"]["bf16"]
     # fairseq's mixed-precision wrapper: bf16 model, fp32 master weights in the optimizer
     assert state["optimizer_history"][-1]["optimizer_name"] == "FP16Optimizer"
+    assert state["cfg"]["optimizer"]["_name"] == optimizer
     loss = [float(r["loss"]) for r in records(save / "hydra_train.log", "train_inner")]
     assert len(loss) == 24 and all(math.isfinite(x) for x in loss)
     first, last = sum(loss[:4]) / 4, sum(loss[-4:]) / 4

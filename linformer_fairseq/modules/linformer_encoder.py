@@ -108,7 +108,13 @@ class LinformerTransformerEncoder(TransformerEncoderBase):
                 "truncate it (e.g. --truncate-sequence / --shorten-method truncate) or train with a larger "
                 "--max-positions"
             )
-        if src_tokens[:, 0].eq(self.padding_idx).any():
+        left_padded = src_tokens[:, 0].eq(self.padding_idx).any()
+        if src_tokens.is_cuda and self.training:
+            # `if left_padded` would make the CPU wait for the GPU at every forward; training
+            # batches come right-padded from fairseq's collater, so check on the GPU instead
+            # (a device-side assert, reported at a later CUDA call)
+            torch._assert_async(~left_padded, "Linformer needs right-padded inputs (padding at position 0)")
+        elif left_padded:
             raise ValueError(
                 "Linformer needs right-padded inputs (the projection ties E's columns to "
                 "positions); got a batch with padding at position 0 (left padding?)"

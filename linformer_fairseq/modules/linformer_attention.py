@@ -9,6 +9,7 @@ are ``B x T`` with True at pad positions. Padding must be on the right (fairseq'
 ``RightPadDataset``, used by the masked_lm and sentence_prediction tasks).
 """
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -851,6 +852,7 @@ FLEX_BLOCK = 128  # flex_attention's tile: bucketed lengths are multiples of it
 FLEX_RECOMPILE_LIMIT = 64  # one compiled kernel per (bucket, k, W, batch size): more than dynamo's default 8
 
 
+@functools.cache  # asked at every band forward: import once
 def flex_available() -> bool:
     try:
         from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
@@ -945,7 +947,7 @@ def attend_local_and_projected_flex(
     assert dropout == 0, "flex_attention applies no attention dropout: use the blockwise kernel"
     B, H, T, D = q.shape
     R, padded = k_rows.size(2), flex_length(T)
-    dtype, grow = q.dtype, (0, 0, 0, flex_length(T) - T)
+    dtype, grow = q.dtype, (0, 0, 0, padded - T)
     keys = torch.cat([F.pad(k.to(dtype), grow), k_rows.to(dtype)], 2)
     values = torch.cat([F.pad(v.to(dtype), grow), v_rows.to(dtype)], 2)
     # per sentence: keys [0, band_end) and rows [padded, rows_end) are readable; a scalar a sentence,

@@ -6,41 +6,14 @@ Importing registers the ``linformer_roberta`` model and its architectures, the
 ``long_sentence_prediction`` task (documents longer than the model: head / tail / head+tail),
 ``--bpe hf_tokenizer`` (a tokenizer.json) and ``--optimizer adam_fused`` (fairseq's adam in
 PyTorch's fused AdamW kernel).
+
+Without fairseq installed, importing registers nothing: ``linformer_fairseq.modules.linformer_attention``
+needs torch alone, and scripts/benchmark_attention.py imports it on a GPU node with a bare PyTorch.
 """
 
-import argparse
-import collections
-import typing
+from importlib.util import find_spec
 
-import torch
-from omegaconf import DictConfig, ListConfig
-from omegaconf.base import ContainerMetadata, Metadata
-from omegaconf.nodes import AnyNode
+if find_spec("fairseq") is not None:
+    from .registration import ImportedRobertaModel, LinformerRobertaModel
 
-# torch >= 2.6 loads checkpoints with weights_only=True. fairseq checkpoints hold the training
-# arguments as an argparse.Namespace, and when several ranks resume, rank 0 sends the others
-# the loaded checkpoint with its config as an omegaconf DictConfig, which they unpickle with
-# the same safe loader. Allow exactly those types; the safe loader stays on.
-torch.serialization.add_safe_globals(
-    [
-        argparse.Namespace,
-        DictConfig,
-        ListConfig,
-        ContainerMetadata,
-        Metadata,
-        AnyNode,
-        typing.Any,
-        dict,
-        list,
-        int,
-        collections.defaultdict,
-    ]
-)
-
-from . import encoders  # noqa: E402, F401  (registers --bpe hf_tokenizer)
-from .models.imported_roberta import ImportedRobertaModel  # noqa: E402
-from .models.linformer_roberta import LinformerRobertaModel  # noqa: E402  (registers the models)
-from .optim import adam_fused  # noqa: E402, F401  (registers the optimizer)
-from .tasks import long_sentence_prediction  # noqa: E402, F401  (registers the task)
-
-__all__ = ["ImportedRobertaModel", "LinformerRobertaModel"]
+    __all__ = ["ImportedRobertaModel", "LinformerRobertaModel"]

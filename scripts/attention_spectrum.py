@@ -43,7 +43,7 @@ heads (right). The per-layer c(K) table is also printed.
 )
 
 
-def get_parser():
+def build_parser():
     p = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, required=True, help="fairseq checkpoint (.pt)")
     source = p.add_mutually_exclusive_group(required=True)
@@ -281,7 +281,7 @@ def table(result):
 
 
 def main(argv=None):
-    args = get_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     for name in ("max_sentences", "index", "batch_size"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

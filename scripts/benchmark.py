@@ -58,7 +58,7 @@ def config_list(text):
     return names
 
 
-def get_parser():
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     arg = p.add_argument
     arg("--mode", default="inference", choices=sorted(STEPS) + ["update"], help="what one timed step is")
@@ -348,7 +348,7 @@ def run_grid(args, argv):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    args = get_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.worker:
         return run_worker(json.loads(args.worker))
     if args.mode == "update":

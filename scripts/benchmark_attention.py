@@ -5,15 +5,15 @@ attention at each k and local window W (--local-windows; with --local-count-once
 counted once) and band kernel (--local-kernels), side by side in one process. --check-gradients
 instead compares each band kernel's output and gradients with float64.
 
-Needs only torch: the plugin's attention module is loaded from its file, so it runs where fairseq
-is not installed (a GPU node with a bare PyTorch). The whole model against fairseq's RoBERTa is
+Needs only torch: linformer_fairseq.modules.linformer_attention imports without fairseq, so it
+runs where fairseq is not installed (a GPU node with a bare PyTorch; the repository root on
+PYTHONPATH where the plugin is not pip-installed). The whole model against fairseq's RoBERTa is
 scripts/benchmark.py. Prints a table of milliseconds per step, peak MiB and the ratio to full
 attention (above 1: faster than full attention), and writes it to --out as JSON. docs/benchmarks.md
 gives the figures.
 """
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
@@ -22,16 +22,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-MODULE = Path(__file__).resolve().parent.parent / "linformer_fairseq" / "modules" / "linformer_attention.py"
+try:
+    from linformer_fairseq.modules import linformer_attention as attention
+except ModuleNotFoundError as error:  # a bare PyTorch node where the repository is not installed
+    if error.name != "linformer_fairseq":
+        raise
+    sys.exit("error: linformer_fairseq does not import: run from the repository root with PYTHONPATH=.")
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def plugin_attention():
-    spec = importlib.util.spec_from_file_location("linformer_attention", MODULE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # torch.compile (the flex kernel) imports it by name
-    spec.loader.exec_module(module)
-    return module
 
 
 class FullAttention(torch.nn.Module):
@@ -52,7 +50,7 @@ class FullAttention(torch.nn.Module):
         return self.out_proj(out.permute(2, 0, 1, 3).reshape(T, B, C)), None
 
 
-def models(args, n, attention):
+def models(args, n):
     yield "full", lambda: FullAttention(args.embed_dim, args.heads)
     for k in (k for k in args.ks if k < n):
         for window in args.local_windows:
@@ -70,7 +68,7 @@ def models(args, n, attention):
                     )
 
 
-def check_gradients(args, attention):
+def check_gradients(args):
     """Each band kernel against the blockwise band in float64 at one padded batch (n = the first
     length, k = the first k, W = each band, the recount on): the largest error of the output and of
     each gradient over the largest reference value, beside the float64 result rounded to the dtype."""
@@ -153,7 +151,8 @@ def int_list(text):
     return values
 
 
-def parse_args(argv=None):
+def build_parser():
+    """The command line (tests/test_readme.py parses the README's commands with it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int_list, default=[1024, 4096], help="sequence lengths n (default: 1024,4096)")
     p.add_argument("--batch-sizes", type=int_list, help="sequences a step, one per length (default: 1 each)")
@@ -171,7 +170,7 @@ def parse_args(argv=None):
         action="store_true",
         help="compare each band kernel's output and gradients with float64 instead of timing",
     )
-    p.add_argument("--length-norm", default="resample", choices=tuple(plugin_attention().LENGTH_NORM_POWERS),
+    p.add_argument("--length-norm", default="resample", choices=tuple(attention.LENGTH_NORM_POWERS),
                    help="the projection's --compress-length-norm (default: resample)")  # fmt: skip
     p.add_argument("--embed-dim", type=int, default=768, help="default: 768")
     p.add_argument("--heads", type=int, default=12, help="default: 12")
@@ -181,11 +180,16 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=0, help="CPU threads; 0: torch's choice")
     p.add_argument("--repeats", type=int, default=10, help="timed steps per point, the median reported (default: 10)")
     p.add_argument("--out", type=Path, help="also write the rows as JSON here")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     args.batch_sizes = args.batch_sizes or [1] * len(args.lengths)
     args.local_kernels = args.local_kernels.split(",")
-    if bad := [k for k in args.local_kernels if k not in plugin_attention().BAND_KERNELS]:
-        p.error(f"--local-kernels: unknown {bad}; expected some of {plugin_attention().BAND_KERNELS}")
+    if bad := [k for k in args.local_kernels if k not in attention.BAND_KERNELS]:
+        p.error(f"--local-kernels: unknown {bad}; expected some of {attention.BAND_KERNELS}")
     if len(args.batch_sizes) != len(args.lengths):
         p.error(f"--batch-sizes has {len(args.batch_sizes)} values for {len(args.lengths)} lengths")
     if min(args.lengths + args.batch_sizes + [args.repeats]) < 1:
@@ -203,9 +207,9 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    attention, dtype, training = plugin_attention(), DTYPES[args.dtype], args.mode == "training"
+    dtype, training = DTYPES[args.dtype], args.mode == "training"
     if args.check_gradients:
-        return check_gradients(args, attention)
+        return check_gradients(args)
     device = torch.device(args.device)
     rows = []
     print("| n | batch | model | ms a step | peak MiB | vs full |\n| ---: | ---: | --- | ---: | ---: | ---: |")
@@ -213,7 +217,7 @@ def main(argv=None):
         torch.manual_seed(0)
         x = torch.randn(n, batch, args.embed_dim, device=device, dtype=dtype, requires_grad=training)
         full_ms = None
-        for name, make in models(args, n, attention):
+        for name, make in models(args, n):
             layer = make().to(device, dtype).train(training)
             layer.dropout = 0.0  # the same work in every step
             ms, peak = timed(layer, x, training, args.repeats, args.device)

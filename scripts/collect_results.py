@@ -104,7 +104,8 @@ def quickstart_summary(pretrain: Path, finetune: Path, dev_tsv: Path) -> str:
     )
 
 
-def main():
+def build_parser():
+    """The command line (tests/test_readme.py parses the README's commands with it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "root",
@@ -121,7 +122,11 @@ def main():
         help="print the quickstart's summary of these two runs instead",
     )
     p.add_argument("--dev-tsv", type=Path, help="with --quickstart: SST-2 dev.tsv, for the majority class")
-    args = p.parse_args()
+    return p
+
+
+def main():
+    args = build_parser().parse_args()
     if args.quickstart:
         if not (args.dev_tsv and args.dev_tsv.is_file()):
             fail(f"--quickstart needs --dev-tsv, an SST-2 dev.tsv (got {args.dev_tsv})")

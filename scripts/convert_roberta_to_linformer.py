@@ -196,7 +196,8 @@ def key_scales(model, roberta, args):
     return [args.key_scale if i in own else 1.0 for i in range(layers)]
 
 
-def parse_args(argv=None):
+def build_parser():
+    """The command line (tests/test_readme.py parses the README's commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("roberta", help="fairseq RoBERTa checkpoint (.pt)")
     parser.add_argument("output", help="Linformer checkpoint to write (.pt)")
@@ -235,6 +236,11 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=1, help="random seed of the normal and xavier inits (default: 1)")
     parser.add_argument("--report-json", help="also write the losses and the continuation command to this JSON file")
     checkpoints.add_continuation_args(parser)
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.init is not None and args.compress_type != "linear":
         parser.error(f"--init applies to linear projections, not to --compress-type {args.compress_type}")

@@ -139,6 +139,7 @@ def hf_config(model, kind, args, head_name, labels, mask_token_id):
         activation_dropout=float(getattr(args, "activation_dropout", 0.0) or 0.0),
         classifier_dropout=float(getattr(args, "pooler_dropout", 0.0) or 0.0),
         classifier_activation=str(args.pooler_activation_fn),
+        classifier_pooling=str(getattr(args, "pooler_tokens", None) or "first"),
         max_positions=n,
         layer_norm_eps=layers[0].self_attn_layer_norm.eps,
         normalize_before=bool(args.encoder_normalize_before),
@@ -248,7 +249,7 @@ def check(model, built, head_name, config):
         pairs = [(features, built["mlm"].linformer(tokens).last_hidden_state)]
         pairs.append((model(tokens)[0], built["mlm"](tokens).logits))
         if head_name is not None:
-            pairs.append((model.classification_heads[head_name](features), built["cls"](tokens).logits))
+            pairs.append((model(tokens, classification_head_name=head_name)[0], built["cls"](tokens).logits))
     worst = 0.0
     for ref, got in pairs:
         if ref.dim() == 3:  # pad positions hold whatever the layers made of zeros: compare the real ones
@@ -420,7 +421,8 @@ def write_tokenizer(out, tokenizer, symbols, mask_id, config, sentencepiece: boo
 # ---------------------------------------------------------------- main
 
 
-def parse_args(argv=None):
+def build_parser():
+    """The command line (tests/test_readme.py parses the README's commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="fairseq Linformer or RoBERTa checkpoint (.pt)")
     parser.add_argument("--out", required=True, help="folder to write (must not exist, or be empty)")
@@ -438,6 +440,11 @@ def parse_args(argv=None):
     parser.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer")
     parser.add_argument("--no-check", action="store_true", help="skip comparing the exported model with fairseq's")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if Path(args.checkpoint).resolve() == Path(args.out).resolve():
         parser.error("--out would overwrite the checkpoint")

@@ -220,7 +220,8 @@ def extend(state, kind: str, args):
     return new, new_ns, old, n
 
 
-def parse_args(argv=None):
+def build_parser():
+    """The command line (tests/test_readme.py parses the README's commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="fairseq Linformer or RoBERTa checkpoint at n positions (.pt)")
     parser.add_argument("output", help="checkpoint to write, at n' positions (.pt)")
@@ -262,6 +263,11 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=1, help="random seed of the continuation (default: 1)")
     parser.add_argument("--report-json", help="also write the losses and the continuation command to this JSON file")
     checkpoints.add_continuation_args(parser)
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if (args.max_positions, args.compress_length_norm, args.local_window, args.local_count_once) == (None,) * 4:
         parser.error(

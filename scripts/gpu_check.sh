@@ -49,6 +49,8 @@ PYTHON=${PYTHON:-python3}
 }
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
+# the scripts import the plugin from this checkout, which a bare PyTorch node has not installed
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 needs_fairseq() {
     "$PYTHON" -c "import fairseq" 2>/dev/null && return 0
@@ -56,7 +58,7 @@ needs_fairseq() {
     local site=/tmp/gpu-check-site
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$WHEELS"/*.whl ||
         return 1
-    export PYTHONPATH=$site:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=$site/bin:$PATH
+    export PYTHONPATH=$site:$PYTHONPATH PATH=$site/bin:$PATH
     "$PYTHON" -c "import fairseq; print('fairseq', fairseq.__version__, 'from', '$WHEELS')"
 }
 

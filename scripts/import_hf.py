@@ -329,11 +329,17 @@ def compare(model, hf_dir, tokenizer, renumbered, order, n, has_head):
 # ---------------------------------------------------------------- main
 
 
-def parse_args(argv=None):
+def build_parser():
+    """The command line (tests/test_readme.py parses the README's commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("hf_dir", type=Path, help="transformers model folder (config.json, weights, tokenizer.json)")
     parser.add_argument("--out", type=Path, required=True, help="folder to write (must not exist, or be empty)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not args.hf_dir.is_dir():
         parser.error(f"{args.hf_dir}: no such folder")

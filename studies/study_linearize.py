@@ -3,9 +3,8 @@
 linearize it (scripts/linearize.py) under each setting and read the fidelity it reaches. Its
 report fills docs/linearize.md.
 
-    python studies/study_linearize.py --hf-dir work/minilm/hf --wikitext ../shared/data/wikitext-2 \\
-        --sts ../shared/data/glue/STS-B/dev.tsv --out OUT [--runs NAME ...] \\
-        [--glue ../shared/data/glue]
+    python studies/study_linearize.py --hf-dir work/minilm/hf --wikitext WIKITEXT2_DIR \\
+        --sts glue_data/STS-B/dev.tsv --out OUT [--runs NAME ...] [--glue glue_data]
 
 Runs (each a linearize.py folder under OUT/runs, resumable; --runs picks some, --help lists them):
 
@@ -408,11 +407,13 @@ def report(args):
     print("\n".join(lines))
 
 
-def main(argv=None):
+def build_parser():
+    """The command line (tests/test_readme.py parses the README's commands with it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hf-dir", type=Path, help="all-MiniLM-L6-v2 (scripts/fetch_minilm.sh)")
-    p.add_argument("--wikitext", type=Path, help="folder with wiki.train.tokens and wiki.valid.tokens")
-    p.add_argument("--sts", type=Path, help="GLUE STS-B dev.tsv")
+    needed = "; required unless --report-only"
+    p.add_argument("--hf-dir", type=Path, help="all-MiniLM-L6-v2 (scripts/fetch_minilm.sh)" + needed)
+    p.add_argument("--wikitext", type=Path, help="folder with wiki.train.tokens and wiki.valid.tokens" + needed)
+    p.add_argument("--sts", type=Path, help="GLUE STS-B dev.tsv" + needed)
     p.add_argument("--out", type=Path, required=True, help="study folder (keep it outside the checkout)")
     p.add_argument("--runs", nargs="+", choices=list(RUNS), help="runs to make (default: all)")
     p.add_argument("--spectrum-sequences", type=int, default=16, help="sequences per spectrum (default: 16)")
@@ -434,11 +435,30 @@ def main(argv=None):
     g.add_argument("--finetune-lr", type=float, default=1e-4, help="default: 1e-4")
     g.add_argument("--seeds", type=int, default=3, help="finetuning seeds per model and task (default: 3)")
     p.add_argument("--report-only", action="store_true", help="only rewrite the report from finished runs")
+    return p
+
+
+def inputs(args):
+    """The inputs every run but --report-only reads, by flag."""
+    return {"--hf-dir": args.hf_dir, "--wikitext": args.wikitext, "--sts": args.sts}
+
+
+def check_required(p, args):
+    """The inputs, which argparse cannot require of every run but --report-only (tests/test_readme.py
+    checks the README's commands with it too)."""
+    missing = [name for name, path in inputs(args).items() if path is None]
+    if missing and not args.report_only:
+        p.error(f"the following arguments are required (unless --report-only): {', '.join(missing)}")
+
+
+def main(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
+    check_required(p, args)
     if not args.report_only:
-        for name, path in (("--hf-dir", args.hf_dir), ("--wikitext", args.wikitext), ("--sts", args.sts)):
-            if path is None or not path.exists():
-                p.error(f"{name} {path}: missing (needed unless --report-only)")
+        for name, path in inputs(args).items():
+            if not path.exists():
+                p.error(f"{name} {path}: not found")
         if args.glue and not all((args.glue / t / f).is_file() for t in args.tasks for f in ("train.tsv", "dev.tsv")):
             p.error(f"--glue {args.glue}: needs {' and '.join(args.tasks)} with train.tsv and dev.tsv")
         if not (args.out / "teacher" / "model.pt").is_file():

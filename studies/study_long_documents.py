@@ -51,14 +51,14 @@ from long_documents.report import report
 from long_documents.runs import base_checkpoint, do_run, import_original, k_at, model_kind, runs
 
 
-def parse_args():
+def build_parser():
+    """The command line (tests/test_readme.py parses the README's commands with it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    shared = REPO.parent / "shared" / "data"
     a = p.add_argument
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--hf-dir", type=Path, help="a transformers encoder folder (e.g. all-MiniLM-L6-v2)")
     mode.add_argument("--quality", type=Path, help="a quality study's --out folder (runs/roberta, runs/linformer)")
-    a("--imdb", type=Path, default=shared / "imdb" / "aclImdb_v1_text.tar.gz", help="aclImdb_v1 tarball")
+    a("--imdb", type=Path, required=True, help="aclImdb_v1 tarball, or one in its layout (data-prep/polarity.sh)")
     a("--out", type=Path, default=REPO / "work" / "long", help="output folder (default: work/long)")
     a("--factors", nargs="+", type=int, default=[4], help="n' = factor x n (default: 4)")
     a("--control", action="store_true", help="--hf-dir: also each linearization at n, then head+tail truncation")
@@ -71,6 +71,18 @@ def parse_args():
       help="tokens a finetuning step holds: at longer lengths an update of --batch reviews takes several steps, "
            "each of fewer reviews; the cost is measured on one step (default: 4096)")  # fmt: skip
     a("--lr", type=float, default=1e-4, help="finetuning peak lr (default: 1e-4)")
+    a("--finetune-overrides", nargs="+", default=[], metavar="OVERRIDE",
+      help="hydra overrides added to every finetuning (scripts/finetune.sh), e.g. model.freeze_compress=1 "
+           "++task.log_parameter_groups=true; give each set its own --out")  # fmt: skip
+    a("--lp-ft", action="store_true",
+      help="finetune from the head of a linear probe of the frozen model (scripts/probe_head.py: LP-FT), "
+           "not a random one (OUT/probed/NAME.pt)")  # fmt: skip
+    a("--pooler-tokens", choices=["first", "mean"], default="first",
+      help="what the classification head reads: <s>'s final state (first, fairseq's RoBERTa) or the mean of "
+           "the review's (mean); with --lp-ft, what the probe reads too (default: first)")  # fmt: skip
+    a("--predict-with", choices=["last", "best"], default="last",
+      help="the finetuning's checkpoint that predicts the test reviews: its last, or the best on fairseq's "
+           "validation reviews (early stopping; default: last)")  # fmt: skip
     a("--seeds", type=int, default=3, help="finetuning seeds (default: 3)")
     a("--first-seed", type=int, default=1,
       help="finetune seeds FIRST..--seeds only: a study continued in another folder (default: 1)")  # fmt: skip
@@ -135,6 +147,11 @@ def parse_args():
     a("--probe-only", action="store_true", help="only the linear probes (--probe): no finetuning")
     a("--runs", nargs="+", metavar="NAME", help="only these runs, in this order (default: all; names as the report's)")
     a("--report-only", action="store_true", help="only write the report of what has finished")
+    return p
+
+
+def parse_args():
+    p = build_parser()
     args = p.parse_args()
     positive = ["train_size", "test_size", "valid_size", "epochs", "batch", "step_tokens", "seeds", "jobs"]
     positive += ["continue_updates", "first_seed"]

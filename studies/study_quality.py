@@ -352,9 +352,10 @@ def plot(curves, path, title):
 # ------------------------------------------------------------------------------- main
 
 
-def main():
+def build_parser():
+    """The command line (tests/test_readme.py parses the README's commands with it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    shared = REPO.parent / "shared" / "data"
+    needed = "; required unless --list"
 
     def arg(*names, **kw):
         if "default" in kw and "%(default)s" not in kw.get("help", ""):
@@ -364,14 +365,9 @@ def main():
         p.add_argument(*names, **kw)
 
     arg("--out", type=Path, default=REPO / "work" / "study", help="output folder")
-    arg(
-        "--wikitext",
-        type=Path,
-        default=shared / "wikitext-2",
-        help="folder with wiki.train.tokens and wiki.valid.tokens",
-    )
-    arg("--books", type=Path, default=shared / "gutenberg", help="folder of plain-text books, one per *.txt")
-    arg("--glue", type=Path, default=shared / "glue", help="GLUE folder with one folder per task (train.tsv, dev.tsv)")
+    arg("--wikitext", type=Path, help="folder with wiki.train.tokens and wiki.valid.tokens" + needed)
+    arg("--books", type=Path, help="folder of plain-text books, one per *.txt" + needed)
+    arg("--glue", type=Path, help="GLUE folder with one folder per task (train.tsv, dev.tsv)" + needed)
     arg("--tasks", nargs="+", choices=GLUE_TASKS, default=list(GLUE_TASKS), help="GLUE tasks to finetune on")
     arg("--size", choices=SIZES, default="context", help="model size, n and pretraining recipe")
     arg("--batch", type=int, help="sequences of n tokens per update (default: the size's)")
@@ -403,7 +399,22 @@ def main():
     arg("--threads", type=int, default=0, help="threads per training process, 0 for torch's default")
     arg("--timing-seconds", type=float, default=10, help="timed updates per run last at least this long (default: 10)")
     arg("--report-only", action="store_true", help="only time the finished runs and write the report")
+    return p
+
+
+def check_required(p, args):
+    """The data, which argparse cannot require of every run but --list (tests/test_readme.py
+    checks the README's commands with it too)."""
+    given = {"--wikitext": args.wikitext, "--books": args.books, "--glue": args.glue}
+    missing = [name for name, path in given.items() if path is None]
+    if missing and not args.list:
+        p.error(f"the following arguments are required (unless --list): {', '.join(missing)}")
+
+
+def main():
+    p = build_parser()
     args = p.parse_args()
+    check_required(p, args)
     positive = ("batch", "budget", "lr", "vocab_size", "train_rows", "finetune_epochs", "jobs", "eval_blocks")
     for name in (*positive, "timing_seconds"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:

@@ -1,8 +1,11 @@
 """What the tests share: running commands, tiny data-bins of the bundled sample (data/sample,
 never ../shared, so a fresh clone runs the tests), and the tiny model the launcher, distributed
-and Slurm tests train with the real configs. Test modules import the constants from here."""
+and Slurm tests train with the real configs. Test modules import the constants from here.
 
-import importlib.util
+The tests of a script's or a study's functions import it by its name (``import linearize``,
+``from long_documents import runs``): pyproject.toml's pytest ``pythonpath`` puts scripts/ and
+studies/ on sys.path, as running the script puts its own folder there."""
+
 import os
 import subprocess
 import sys
@@ -73,23 +76,6 @@ def error_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
     return err[0]
-
-
-def load_script(name: str):
-    """scripts/NAME.py as a module, for the tests of its functions (scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def load_study(name: str):
-    """studies/NAME.py, or a module of a study's package (``long_documents.runs``), for the tests
-    of its functions: studies/ goes on sys.path as when a study runs, since the studies import
-    common.py and their packages from beside them."""
-    if str(STUDIES) not in sys.path:
-        sys.path.insert(0, str(STUDIES))
-    return importlib.import_module(name)
 
 
 def run(cmd, cwd=None, timeout=600):

@@ -3,6 +3,7 @@ point) whose memory figures must show what each model stores and whose tables mu
 
 import csv
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -11,14 +12,12 @@ from pathlib import Path
 import fairseq
 import pytest
 import torch
-from conftest import SCRIPTS, load_script
+from conftest import ENV, REPO, SCRIPTS
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
+import benchmark as bench
 from linformer_tools import models
 from linformer_tools.benchmark_report import encoder_flops, step_flops
-
-bench = load_script("benchmark")
-
 
 TINY_SPEC = dict(
     mode="training",
@@ -58,7 +57,7 @@ def test_training_step_updates_the_model_and_learns_a_batch(model, dtype):
 def test_grid_puts_each_band_counted_once_beside_it():
     """--local-count-once adds a -once point after each band Linformer (none for W = 0 or the
     baselines), and that point's model counts the band once in every layer."""
-    args = bench.get_parser().parse_args(
+    args = bench.build_parser().parse_args(
         ["--lengths", "32", "--ks", "8", "--local-windows", "0,8", "--local-count-once"]
     )
     specs = bench.make_grid(args)
@@ -164,7 +163,10 @@ def test_training_step_flops_match_torch_flop_counter(model, sharing):
     fairseq's original example applies a projection shared by keys and values twice."""
     if model == "original":  # its architectures' names are the plugin's: it registers them in a process of its own
         code = f"import test_benchmark; print(*test_benchmark.training_step_flops({model!r}, {sharing!r}))"
-        proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True)
+        env = dict(ENV, PYTHONPATH=str(SCRIPTS))  # scripts/ on sys.path, as pytest's pythonpath puts it here
+        proc = subprocess.run(
+            [sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True, text=True
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         counted, expected = map(float, proc.stdout.split()[-2:])
     else:
@@ -288,7 +290,9 @@ def test_attention_benchmark_times_fairseqs_attention_and_each_band(tmp_path, ca
     its JSON holds the printed rows; bad input is refused."""
     from fairseq.modules import MultiheadAttention
 
-    layers = load_script("benchmark_attention")
+    # imported here: it imports the plugin, whose architectures the original-kv test's process must not have
+    import benchmark_attention as layers
+
     torch.manual_seed(0)
     reference = MultiheadAttention(32, 4, self_attention=True).eval()
     full = layers.FullAttention(32, 4).eval()
@@ -309,8 +313,43 @@ def test_attention_benchmark_times_fairseqs_attention_and_each_band(tmp_path, ca
     assert all(r["vs_full"] == 1 for r in rows if r["model"] == "full")
     assert capsys.readouterr().out.count("| 128 | 1 |") == 5
     args = layers.parse_args(["--lengths", "64", "--ks", "32", "--local-windows", "0,8", "--local-count-once"])
-    built = {name: make() for name, make in layers.models(args, 64, layers.plugin_attention())}
+    built = {name: make() for name, make in layers.models(args, 64)}
     assert list(built) == ["full", "linformer-k32", "linformer-k32-w8", "linformer-k32-w8-once"]
     assert [layer.local_count_once for name, layer in built.items() if name != "full"] == [False, False, True]
     with pytest.raises(SystemExit):
         layers.main(["--local-windows", "7"])
+
+
+# a Python without fairseq (a GPU node's bare PyTorch): a name that sys.modules maps to None does not
+# import, and importlib.util.find_spec finds no such module; omegaconf and hydra come with fairseq
+WITHOUT_FAIRSEQ = "import sys\nsys.modules.update(dict.fromkeys(['fairseq', 'fairseq_cli', 'omegaconf', 'hydra']))\n"
+TINY_FORWARD = """
+import sys
+import torch
+from linformer_fairseq.modules import linformer_attention as attention
+settings = attention.LinformerSettings(max_positions=32, compressed_dims=(8,), local_window=4)
+out, _ = attention.LinformerMultiheadAttention(16, 2, settings, 8)(query=torch.randn(32, 2, 16))
+assert out.shape == (32, 2, 16) and out.isfinite().all(), out.shape
+loaded = [name for name, module in sys.modules.items() if module and name.split(".")[0] in ("fairseq", "omegaconf")]
+assert not loaded, loaded
+"""
+
+
+def test_attention_imports_and_benchmarks_without_fairseq(tmp_path):
+    """linformer_fairseq.modules.linformer_attention needs torch alone: with fairseq hidden (a
+    sitecustomize.py), the plugin imports without registering anything, a Linformer layer with a
+    band runs forward, and scripts/benchmark_attention.py times a grid, the checkout on PYTHONPATH
+    as scripts/gpu_check.sh puts it."""
+    (tmp_path / "sitecustomize.py").write_text(WITHOUT_FAIRSEQ)
+    env = dict(ENV, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}")
+
+    def python(*argv):
+        return subprocess.run([sys.executable, *map(str, argv)], env=env, capture_output=True, text=True, cwd=tmp_path)
+
+    hidden = python("-c", "import fairseq")
+    assert hidden.returncode != 0 and "ModuleNotFoundError" in hidden.stderr, hidden.stderr[-2000:]
+    for argv in (["-c", TINY_FORWARD], [SCRIPTS / "benchmark_attention.py", "--lengths", "64", "--ks", "16",
+                 "--local-windows", "0,8", "--embed-dim", "16", "--heads", "2", "--repeats", "1"]):  # fmt: skip
+        done = python(*argv)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert "| 64 | 1 | linformer-k16-w8 |" in done.stdout, done.stdout

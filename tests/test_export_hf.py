@@ -17,18 +17,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ENV, SCRIPTS, call_main, error_line, load_script
+from conftest import ENV, SCRIPTS, call_main, error_line
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local: never ask the Hub
 transformers = pytest.importorskip("transformers")  # the hf extra
 
 from fairseq.data import Dictionary, data_utils  # noqa: E402
-from fairseq.models.roberta import RobertaModel  # noqa: E402
 
+import export_hf as export  # noqa: E402
+from linformer_fairseq import LinformerRobertaModel  # noqa: E402
 from linformer_fairseq.modules.linformer_attention import COMPRESS_SHARING, COMPRESS_TYPES  # noqa: E402
 from linformer_tools.common import SAMPLE  # noqa: E402
 
-export = load_script("export_hf")
 N = 64  # max_positions of the tiny models
 TINY = ["--encoder-layers", "2", "--encoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",
         "--encoder-attention-heads", "4", "--max-positions", str(N)]  # fmt: skip
@@ -92,7 +92,7 @@ def save(path, cfg, model):
 
 def hub(path, data, spm_dir):
     """The checkpoint as fairseq's hub loads it, with the sentencepiece bpe (eval mode)."""
-    return RobertaModel.from_pretrained(
+    return LinformerRobertaModel.from_pretrained(  # any RoBERTa; its predict reads what --pooler-tokens says
         str(path.parent), path.name, str(data), bpe="sentencepiece", sentencepiece_model=str(spm_dir / "spm.model")
     ).eval()
 
@@ -177,6 +177,7 @@ OPTIONS = {
                                    "--compress-sharing", "layerwise"],
     "local band counted once, resample": ["--compressed-dim", "16", "--local-window", "8", "--compress-length-norm",
                                           "resample", "--local-count-once"],
+    "head on the mean of the tokens": ["--compressed-dim", "16", "--pooler-tokens", "mean"],
 }  # fmt: skip
 
 
@@ -188,6 +189,7 @@ def test_per_layer_k_frozen_projections_and_other_options_export(name, spm_dir, 
     config = mlm.config
     assert config.local_window == (int(OPTIONS[name][3]) if "band" in name else 0)
     assert config.local_count_once == ("--local-count-once" in OPTIONS[name])
+    assert config.classifier_pooling == ("mean" if "mean" in name else "first")
     if "per-layer" in name:
         assert config.compressed_dims == [int(k) for k in OPTIONS[name][1].split(",")]
     if "legacy" in name:
@@ -197,6 +199,24 @@ def test_per_layer_k_frozen_projections_and_other_options_export(name, spm_dir, 
         frozen = [p for n, p in mlm.named_parameters() if "compress" in n]
         assert frozen and not any(p.requires_grad for p in frozen)
         assert all(p.requires_grad for n, p in mlm.named_parameters() if "compress" not in n)
+
+
+@pytest.mark.parametrize("arch", ["linformer_roberta_base", "roberta_imported"])
+def test_a_head_on_the_mean_reads_each_sentences_real_tokens(arch, spm_dir, lines, tmp_path):
+    """--pooler-tokens mean: each sentence's logits in a padded batch are the head applied to the
+    mean of its own final states, computed alone; first (the default) reads <s>."""
+    linformer = ["--compressed-dim", "16"] if arch.startswith("linformer") else []
+    for pooling, pool in (("mean", lambda x: x.mean(1, keepdim=True)), ("first", lambda x: x[:, :1])):
+        ckpt = checkpoint(tmp_path / f"{pooling}.pt", spm_dir, [*linformer, "--pooler-tokens", pooling], arch=arch)
+        fairseq_hub = hub(ckpt, spm_dir, spm_dir)
+        batch, rows = padded_batch(fairseq_hub, lines)
+        head = fairseq_hub.model.classification_heads[HEAD]
+        with torch.no_grad():
+            logits = fairseq_hub.predict(HEAD, batch, return_logits=True)
+            for row, ids in enumerate(rows):
+                alone = head(pool(fairseq_hub.extract_features(ids)))[0]
+                torch.testing.assert_close(logits[row], alone, atol=1e-5, rtol=0)
+        assert fairseq_hub.model.args.pooler_tokens == pooling
 
 
 def test_roberta_exports_with_full_attention_and_a_regression_head(spm_dir, lines, tmp_path):

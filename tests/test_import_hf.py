@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ENV, SCRIPTS, error_line, load_script
+from conftest import ENV, SCRIPTS, error_line
 from conftest import call_main as call
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local: never ask the Hub
@@ -24,12 +24,14 @@ transformers = pytest.importorskip("transformers")  # the hf extra
 from fairseq.data import Dictionary  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers  # noqa: E402
 
+import convert_roberta_to_linformer  # noqa: E402
+import export_hf as export  # noqa: E402
+import import_hf as importer  # noqa: E402
+import linearize  # noqa: E402
 from linformer_fairseq import ImportedRobertaModel  # noqa: E402
 from linformer_tools import checkpoints  # noqa: E402
 from linformer_tools.common import SAMPLE  # noqa: E402
 
-importer = load_script("import_hf")
-export = load_script("export_hf")
 N = 64  # positions of the tiny models
 SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, layer_norm_eps=1e-12)
 TEXT = SAMPLE / "wikitext-2" / "wiki.train.tokens"
@@ -199,9 +201,8 @@ def test_linformer_at_k_equal_n_is_the_original(imported, tmp_path):
     """convert_roberta_to_linformer.py takes the import (avg E at k = n is the identity, keys unscaled)
     and keeps the epsilon: on a full block, the original's hidden states."""
     original, out, family = imported
-    converter = load_script("convert_roberta_to_linformer")
     target = tmp_path / "linformer.pt"
-    assert call(converter, out / "model.pt", target, "--compressed-dim", N, "--key-scale", "1") == 0
+    assert call(convert_roberta_to_linformer, out / "model.pt", target, "--compressed-dim", N, "--key-scale", "1") == 0
     state = checkpoints.read_checkpoint(target)
     ns = checkpoints.model_namespace(state)
     model = checkpoints.build_model(ns, checkpoints.vocab_size(state))
@@ -368,11 +369,11 @@ def test_linearize_fits_the_far_field_offsets_unless_told_to_keep_the_log_count_
     assert made["learned"][far].abs().max() > 0 and torch.equal(made["count"][far], torch.zeros_like(converted[far]))
     assert not torch.equal(made["count"][compress], converted[compress])
     with pytest.raises(SystemExit):
-        load_script("linearize").parse_args([str(original), "--text", str(TEXT), "--max-positions", "64", "--k",
+        linearize.parse_args([str(original), "--text", str(TEXT), "--max-positions", "64", "--k",
                                              "16", "--out", str(tmp_path / "o"), "--far-offset", "count"])  # fmt: skip
     assert "--far-offset sets the band's far-field offsets: add --local-window" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        load_script("linearize").parse_args([str(original), "--text", str(TEXT), "--max-positions", "64", "--k",
+        linearize.parse_args([str(original), "--text", str(TEXT), "--max-positions", "64", "--k",
                                              "16", "--out", str(tmp_path / "o"), "--local-count-once"])  # fmt: skip
     assert "--local-count-once recounts the projected rows beside a band: add --local-window" in (
         capsys.readouterr().err
@@ -384,7 +385,7 @@ def test_linearize_lowers_the_projection_lr_as_n_grows_past_512(tmp_path, n, k, 
     """E/F's default lr, 1e-3 x min(1, 512/N), does not depend on k: at N = 2048, k = 512 (windows
     of 4) 1e-3 made the transfer diverge (docs/linearize.md); a given lr is kept."""
     argv = [str(tmp_path), "--text", str(TEXT), "--max-positions", str(n), "--k", str(k), "--out", str(tmp_path / "o")]
-    parse_args = load_script("linearize").parse_args
+    parse_args = linearize.parse_args
     args = parse_args(argv)
     assert (args.transfer_lr, args.projection_lr) == (lr, lr)
     args = parse_args([*argv, "--transfer-lr", "1e-2"])
@@ -395,44 +396,42 @@ def test_linearize_min_tokens_keeps_only_documents_that_long(tmp_path, capsys):
     """--min-tokens M keeps the documents of at least M tokens (padding not counted), for
     training and held-out alike; it needs --documents and M <= N, and a text with none that
     long is refused rather than trained on nothing."""
-    script = load_script("linearize")
-    pad = script.PAD
+    pad = linearize.PAD
     documents = torch.full((4, 6), pad, dtype=torch.int32)
     for row, length in enumerate((6, 2, 5, 3)):
         documents[row, :length] = row + 10
-    kept = script.long_enough(documents, 5, "--text")
-    assert kept[:, 0].tolist() == [10, 12] and torch.equal(script.long_enough(documents, 0, "--text"), documents)
+    kept = linearize.long_enough(documents, 5, "--text")
+    assert kept[:, 0].tolist() == [10, 12] and torch.equal(linearize.long_enough(documents, 0, "--text"), documents)
     assert "--text: 2 of 4 documents have at least 5 tokens" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        script.long_enough(documents, 7, "--text")
+        linearize.long_enough(documents, 7, "--text")
     assert "no document has 7 tokens or more" in capsys.readouterr().err
     argv = [str(tmp_path), "--text", str(TEXT), "--max-positions", "64", "--k", "16", "--out", str(tmp_path / "o")]
-    assert script.parse_args([*argv, "--documents", "--min-tokens", "17"]).min_tokens == 17
+    assert linearize.parse_args([*argv, "--documents", "--min-tokens", "17"]).min_tokens == 17
     for extra, message in (
         (["--min-tokens", "17"], "--min-tokens needs --documents"),
         (["--documents", "--min-tokens", "65"], "--min-tokens 65 must be in 0..--max-positions (64)"),
     ):
         with pytest.raises(SystemExit):
-            script.parse_args([*argv, *extra])
+            linearize.parse_args([*argv, *extra])
         assert message in capsys.readouterr().err
 
 
 def test_linearize_runs_where_a_gpu_is_and_refuses_a_device_it_cannot_use(tmp_path, monkeypatch, capsys):
     """--device: cuda when torch sees a GPU, else cpu; one given is kept; a device that does not
     exist here is refused by name before anything is imported or read."""
-    script = load_script("linearize")
     argv = [str(tmp_path), "--text", str(TEXT), "--max-positions", "64", "--k", "16", "--out", str(tmp_path / "o")]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert script.parse_args(argv).device == "cpu"
+    assert linearize.parse_args(argv).device == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: None)  # the check that cuda works here
-    assert script.parse_args(argv).device == "cuda"
-    assert script.parse_args([*argv, "--device", "cpu"]).device == "cpu"
+    assert linearize.parse_args(argv).device == "cuda"
+    assert linearize.parse_args([*argv, "--device", "cpu"]).device == "cpu"
     monkeypatch.undo()
     unusable = ["gpu0"] + ([] if torch.cuda.is_available() else ["cuda"])
     for device in unusable:
         with pytest.raises(SystemExit):
-            script.parse_args([*argv, "--device", device])
+            linearize.parse_args([*argv, "--device", device])
         assert f"--device {device}: " in capsys.readouterr().err
 
 

@@ -12,11 +12,17 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import ENV, SCRIPTS, STUDIES, load_study
+from conftest import ENV, SCRIPTS, STUDIES
 
 from linformer_tools import checkpoints
 from linformer_tools.common import REPO, SAMPLE
 from linformer_tools.logs import records
+from linformer_tools.probe import PENALTIES
+
+from common import sh
+from long_documents import data as reads
+from long_documents import report as reports
+from long_documents import runs as makes
 
 DP = REPO / "data-prep"
 N, LONG_N = 64, 256  # the long path: pretrained at n = 64, extended to 256
@@ -229,9 +235,8 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
     # --probe: every finished run's frozen model probed, each test review scored in the test set's order
     for name in results:
         probe = json.loads((out / "probe" / f"{name}.json").read_text())
-        assert [length for length, _ in probe["test"]] == lengths and probe["penalty"] in load_study(
-            "long_documents.runs"
-        ).PROBE_PENALTIES
+        assert [length for length, _ in probe["test"]] == lengths and probe["penalty"] in PENALTIES
+        assert [length for length, _ in probe["first"]["test"]] == lengths and probe["first"]["penalty"] in PENALTIES
         reported = json.loads((out / "results.json").read_text())[name]["probe"]
         assert reported["all"] == 100 * sum(right for _, right in probe["test"]) / 8, reported
     assert "Linear probe (--probe)" in again and "| original-n64-head_tail | " in again.split("Linear probe")[1]
@@ -257,11 +262,25 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
     assert len(both["all"]) == 2 and len(both["valid"]) == 2
     assert all(v in (0, 25, 50, 75, 100) for v in both["valid"]), both  # accuracy on 4 validation reviews
     assert both["test_of_best_on_validation"] == both["all"][both["valid"].index(max(both["valid"]))]
+    # --lp-ft: the Linformer finetuned from the head of a probe of the mean of its states, kept to the
+    # end (--pooler-tokens), predicting with the checkpoint best on validation; another --out, the same models
+    lp = tmp_path / "lp"
+    lp.mkdir()
+    for made in ("data", "original", "original.log", "linearized", "unsup.txt"):
+        (lp / made).symlink_to(out / made)
+    lp_ft = [*cmd[: cmd.index("--out")], "--out", lp, *cmd[cmd.index("--out") + 2 : cmd.index("--runs")]]
+    lp_ft += ["--no-timing", "--lp-ft", "--pooler-tokens", "mean", "--predict-with", "best"]
+    lp_ft += ["--finetune-overrides", "++task.log_parameter_groups=true", "--runs", "linformer-n128-k32-s6"]
+    run([*lp_ft, *cmd[cmd.index("--linearize-flags") :]])
+    probed = (lp / "probed" / "linformer-n128-k32-s6.log").read_text()
+    assert "probe of the mean final states" in probed and "agreeing with the probe on 100.0%" in probed, probed
+    finetuned = (lp / "runs" / "linformer-n128-k32-s6" / "seed1.log").read_text()
+    assert "'pooler_tokens': mean," in finetuned and "gshare_projections=" in finetuned, finetuned[-2000:]
+    assert len(json.loads((lp / "runs" / "linformer-n128-k32-s6" / "seed1" / "predictions.json").read_text())) == 8
     # --read-exact: each Linformer at n' also switched to exact length handling, the same weights
     listed = subprocess.run([*map(str, cmd[: cmd.index("--runs")]), "--read-exact", "--runs", "none"],
                             capture_output=True, text=True).stderr  # fmt: skip
     assert "its runs are" in listed and " linformer-n128-k32-s6-exact" in listed, listed[-2000:]
-    reads, makes, reports = (load_study(f"long_documents.{part}") for part in ("data", "runs", "report"))
     # a seed's validation accuracy is that of its last validation, none if it logged none
     logged = tmp_path / "logs" / "runs" / "run" / "seed1" / "hydra_train.log"
     logged.parent.mkdir(parents=True)
@@ -298,30 +317,8 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
     assert len(json.loads((out / "results.json").read_text())[mixed]["all"]) == 1
 
 
-def test_linear_probe_learns_a_linear_label_and_not_a_shuffled_one():
-    """The probe's logistic regression: labels a linear function of the features (with noise) are
-    read back on test rows it never saw; shuffled training labels leave it at chance; the penalty is
-    the one best on validation (a strong one, when validation labels are the reverse of the rule)."""
-    fit = load_study("long_documents.runs").fit_linear_probe
-    g = torch.Generator().manual_seed(0)
-    sizes = {"train": 300, "valid": 100, "test": 400}
-    features = {split: torch.randn(rows, 16, generator=g) * 3 + 1 for split, rows in sizes.items()}
-    direction = torch.randn(16, generator=g)
-    labels = {split: (f @ direction + 0.5 * torch.randn(len(f), generator=g) > direction.sum()).long()
-              for split, f in features.items()}  # fmt: skip
-    _, valid, guesses = fit(features, labels)
-    assert valid > 0.9 and guesses.eq(labels["test"]).double().mean() > 0.9
-    shuffled = dict(labels, train=labels["train"][torch.randperm(300, generator=g)])
-    _, _, guesses = fit(features, shuffled)
-    assert 0.35 < guesses.eq(labels["test"]).double().mean() < 0.65
-    reversed_valid = dict(labels, valid=1 - labels["valid"])  # the weaker the fit, the better it scores
-    assert fit(features, reversed_valid, penalties=(1e-3, 1e3))[0] == 1e3
-
-
 def test_a_study_step_logs_into_a_folder_not_made_yet(tmp_path):
     """A fresh study's first run logs to OUT/runs/NAME.log before anything made OUT/runs."""
-    sh = load_study("common").sh
-
     logfile = tmp_path / "runs" / "first.log"
     sh([sys.executable, "-c", "print('made')"], logfile)
     assert logfile.read_text() == "made\n" and not (tmp_path / "runs" / "first.log.partial").exists()

@@ -1,8 +1,12 @@
 """README.md is the front door: every command in its ```bash blocks runs as written (at least
-with --help), every flag it passes exists, it stays short, and its install line and test command
-are the ones CI (.ci/run) runs."""
+with --help), every flag it passes exists, the commands of the repository's scripts in it and in
+docs/model.md parse with the script's own parser, it stays short, and its install line and test
+command are the ones CI (.ci/run) runs."""
 
+import contextlib
 import functools
+import importlib
+import io
 import os
 import re
 import shlex
@@ -136,6 +140,88 @@ def has_flag(flag, text):
 
 COMMANDS = checked_commands()
 
+# ---------------------------------------------------------------- parsed with the script's parser
+
+DOCS = (README, MODEL_DOC)
+# launchers whose --dry-run is cheap: the plan and the fairseq command, no training, no download
+DRY_RUN = ("scripts/pretrain.sh", "scripts/slurm/pretrain.sbatch")
+NOT_PARSED = {
+    "scripts/quickstart.sh": "it has no --dry-run: it trains",
+    "scripts/finetune.sh": "its --dry-run reads the checkpoint (k, sharing, sizes), which the docs only name",
+    "scripts/slurm/finetune.sbatch": "its --dry-run is scripts/finetune.sh's, for each element",
+    "scripts/fetch_minilm.sh": "it has no --dry-run: it downloads",
+    "scripts/gpu_check.sh": "it has no --dry-run: it needs a CUDA GPU",
+}
+FROM_NOT_PARSED = "--from: the launcher's --dry-run reads that checkpoint, which the docs only name"
+
+
+def repository_command(tokens):
+    """(the repository script a command runs, the arguments it passes) with environment
+    assignments, python/python3/bash and sbatch with its own options taken off; None for any
+    other command (pip, python -m pytest, fairseq-train)."""
+    while tokens and ENV_ASSIGNMENT.match(tokens[0]):
+        tokens = tokens[1:]
+    if tokens[:1] == ["sbatch"]:  # its own options (and their values) come before the script
+        tokens = tokens[next((i for i, token in enumerate(tokens) if REPO_SCRIPT.fullmatch(token)), len(tokens)) :]
+    elif tokens[:1] in (["python"], ["python3"], ["bash"]):
+        tokens = tokens[1:]
+    if not tokens or not REPO_SCRIPT.fullmatch(tokens[0]):
+        return None
+    return tokens[0], tokens[1:]
+
+
+def doc_commands():
+    """(document, script, arguments) of each repository script's command in the docs, once each."""
+    found = {}
+    for doc in DOCS:
+        for block in bash_blocks(doc.read_text(encoding="utf-8")):
+            for tokens in split_commands(block):
+                if command := repository_command(tokens):
+                    script, args = command
+                    found.setdefault((script, tuple(args)), doc.name)
+    return [(doc, script, list(args)) for (script, args), doc in found.items()]
+
+
+def entry_module(script):
+    """The module whose parser a Python entry point runs: scripts/X.py and studies/X.py by their
+    name (pytest's pythonpath), data-prep/X.sh `python -m dataprep.X`; None for a launcher."""
+    path = Path(script)
+    if path.suffix == ".py":
+        return path.stem
+    return f"dataprep.{path.stem}" if path.parts[0] == "data-prep" else None
+
+
+def way_of_checking(script, args):
+    """'parse', 'dry-run', or why the command is not checked beyond --help."""
+    if entry_module(script):
+        return "parse"
+    if script in DRY_RUN:
+        return FROM_NOT_PARSED if "--from" in args else "dry-run"
+    return NOT_PARSED.get(script, f"{script}: a launcher this test does not know; add it to DRY_RUN or NOT_PARSED")
+
+
+def parse_error(module, args):
+    """The error line of the module's parser (and of its check_required) on args; None if they parse."""
+    parser, errors = module.build_parser(), io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
+            parsed = parser.parse_args(args)
+            if check := getattr(module, "check_required", None):
+                check(parser, parsed)
+    except SystemExit:
+        return errors.getvalue().strip().splitlines()[-1]
+    return None
+
+
+DOC_COMMANDS = doc_commands()
+PARSED = [c for c in DOC_COMMANDS if way_of_checking(*c[1:]) == "parse"]
+DRY_RUNS = [c for c in DOC_COMMANDS if way_of_checking(*c[1:]) == "dry-run"]
+
+
+def doc_command_id(command):
+    doc, script, args = command
+    return f"{doc}:{script} {' '.join(args)}"[:80]
+
 
 def test_readme_is_short():
     size = len(README.read_bytes())
@@ -201,11 +287,13 @@ def test_readme_command_runs_with_help(tokens, found):
 
 @pytest.mark.slow(minutes=1)
 def test_study_help_shows_path_defaults_from_the_checkout():
-    """A study's --help names its default folders as any clone has them, not as this machine does."""
+    """A study's --help names its default folders as any clone has them, not as this machine does,
+    and no data outside the checkout: the data flags are required, and --help says so."""
     status, output = run_help((sys.executable, "studies/study_quality.py", "--help"))
     assert status == 0, output[-3000:]
     assert str(REPO) not in output, f"studies/study_quality.py --help prints this checkout's path:\n{output}"
-    assert "(default: work/study)" in output and "../shared/data/wikitext-2" in output, output
+    assert "(default: work/study)" in output and "../" not in output, output
+    assert re.search(r"--wikitext WIKITEXT +folder with wiki.train.tokens and wiki.valid.tokens;\s+required", output)
 
 
 def test_model_doc_flags_exist():
@@ -236,3 +324,38 @@ def test_model_doc_flags_exist():
     assert status == 0, output[-3000:]
     missing = [flag for flag in named if not has_flag(flag, output)]
     assert not missing, f"docs/model.md names flags the model does not have: {missing}"
+
+
+def test_docs_name_repository_commands():
+    """The docs' commands are found (docs that lost their code blocks would pass vacuously), and
+    each launcher is either dry-run or listed in NOT_PARSED with the reason."""
+    assert {"scripts/linearize.py", "data-prep/spm.sh", "studies/study_quality.py"} <= {c[1] for c in PARSED}, PARSED
+    assert DRY_RUNS, DOC_COMMANDS
+    unknown = [c for c in DOC_COMMANDS if "does not know" in way_of_checking(*c[1:])]
+    assert not unknown, unknown
+
+
+@pytest.mark.parametrize("command", PARSED, ids=map(doc_command_id, PARSED))
+def test_doc_command_parses(command):
+    """A README.md or docs/model.md command of a Python script (scripts/*.py, studies/*.py,
+    data-prep/*.sh, which run ``python -m dataprep.X``) parses with the script's own parser, and
+    passes its check_required (what argparse cannot require) where it has one: a missing argument
+    or an unknown flag fails. Placeholders (DATA, work/..., OUT) are strings to argparse, so files
+    are not checked."""
+    doc, script, args = command
+    error = parse_error(importlib.import_module(entry_module(script)), args)
+    assert error is None, f"{doc}: {script} {' '.join(args)}\n{error}"
+
+
+@pytest.mark.parametrize("command", DRY_RUNS, ids=map(doc_command_id, DRY_RUNS))
+def test_doc_launcher_command_dry_runs(command):
+    """A launcher's command in the docs runs with --dry-run (it plans and prints the fairseq
+    command: a bad flag, config or override fails). Not run: scripts/pretrain.sh --from (its
+    --dry-run reads that checkpoint, which the docs only name), and the launchers in NOT_PARSED:
+    scripts/quickstart.sh (trains; no --dry-run), scripts/finetune.sh and slurm/finetune.sbatch
+    (their --dry-run reads the checkpoint), scripts/fetch_minilm.sh (downloads; no --dry-run),
+    scripts/gpu_check.sh (needs a CUDA GPU; no --dry-run). Each still runs with --help above."""
+    doc, script, args = command
+    argv = [REPO / script, *([] if "--dry-run" in args else ["--dry-run"]), *args]
+    done = subprocess.run(argv, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{doc}: {script} {' '.join(args)}\n{done.stderr[-3000:]}"

@@ -6,12 +6,11 @@ import random
 
 import pytest
 import torch
-from conftest import load_script, load_study
 from omegaconf import OmegaConf
 
+import attention_spectrum as spectrum
+import study_linearize as study
 from linformer_tools import models
-
-spectrum = load_script("attention_spectrum")
 
 TINY = [
     "--encoder-layers",
@@ -178,7 +177,6 @@ def test_bad_inputs_fail_naming_the_value(tmp_path, capsys):
 def test_per_layer_k_from_the_spectrum_keeps_its_mean():
     """The linearize study's non-uniform k: proportional to each layer's K(90%), a layer held at
     k = 8 or n leaves the others the rest, so the mean stays the uniform k it is compared with."""
-    study = load_study("study_linearize")
     minilm_n128 = {"layers": [{"index_of_mass": k} for k in (58, 62, 54, 35, 35, 13)]}  # measured
     assert study.spectrum_dims(minilm_n128, 16, 128) == "21,22,19,13,13,8"  # mean 16, not 16.5
     last = list(map(int, study.spectrum_dims(minilm_n128, 16, 128, keep_last=True).split(",")))

@@ -12,9 +12,10 @@ import sys
 
 import pytest
 import torch
-from conftest import ENV, STUDIES, load_study
+from conftest import ENV, STUDIES
 from test_import_hf import save_tiny, transformers  # skips this module too without transformers (the hf extra)
 
+import study_linearize
 from linformer_tools import checkpoints
 from linformer_tools.common import SAMPLE
 
@@ -137,7 +138,7 @@ def test_the_spectrum_run_gets_per_layer_k_at_the_requested_mean(made):
     assert len(dims) == 2 and statistics.mean(dims) == 16, dims
     assert dims[0] > dims[1] == 8, dims  # the flat layer (a spectrum of rank one) held at 8, the sharp one the rest
     spectrum = json.loads((out / "spectrum" / "n128" / "spectrum.json").read_text())
-    assert passed == load_study("study_linearize").spectrum_dims(spectrum, 16, 128)
+    assert passed == study_linearize.spectrum_dims(spectrum, 16, 128)
     ns = checkpoints.model_namespace(checkpoints.read_checkpoint(out / "runs" / SPECTRUM_RUN / "checkpoint.pt"))
     assert ns.layer_compressed_dims == passed
 

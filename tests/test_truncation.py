@@ -166,7 +166,7 @@ def test_head_tail_head_tokens_must_fit_the_budget(imdb):
             task(data, M, "head_tail", head).load_dataset("train")
 
 
-def fairseq_train(data, save_dir, truncation):
+def fairseq_train(data, save_dir, truncation, *extra):
     """fairseq-train, as a user runs it: the plugin's task on the reviews, a tiny Linformer at
     n = 64 (30 of the 32 train reviews are longer, most much longer)."""
     cmd = [
@@ -232,6 +232,7 @@ def fairseq_train(data, save_dir, truncation):
         "0",
         "--seed",
         "1",
+        *extra,
     ]
     return subprocess.run([str(c) for c in cmd], env=ENV, capture_output=True, text=True, timeout=600)
 
@@ -239,7 +240,7 @@ def fairseq_train(data, save_dir, truncation):
 @pytest.mark.slow
 def test_fairseq_train_finetunes_on_cut_reviews_and_refuses_uncut_ones(imdb, tmp_path):
     data, texts = imdb
-    proc = fairseq_train(data, tmp_path / "head_tail", "head_tail")
+    proc = fairseq_train(data, tmp_path / "head_tail", "head_tail", "--log-parameter-groups", "--local-window", "8")
     assert proc.returncode == 0, f"fairseq-train exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     log = proc.stdout
     assert "task: LongSentencePredictionTask" in log and "'truncation': head_tail," in log, log[-3000:]
@@ -249,6 +250,14 @@ def test_fairseq_train_finetunes_on_cut_reviews_and_refuses_uncut_ones(imdb, tmp
     (valid,) = records_in(log, "valid")
     losses = [r["loss"] for r in steps] + [valid["loss"]]
     assert all(isinstance(x, float) and math.isfinite(x) for x in losses), losses
+    # --log-parameter-groups: the groups' shares make up the gradient norm; nothing has moved
+    # before the first update, everything trained has after it
+    groups = {"head", "projections", "offsets", "attention", "ffn", "norms", "embeddings"}
+    for step in steps:
+        assert {key[len("gshare_") :] for key in step if key.startswith("gshare_")} == groups, step
+        assert math.isclose(sum(step[f"gshare_{g}"] ** 2 for g in groups), 1.0, abs_tol=1e-3), step
+    assert all(steps[0][f"moved_{g}"] == 0 for g in groups), steps[0]
+    assert all(steps[-1][f"moved_{g}"] > 0 for g in groups), steps[-1]
 
     # truncation off: fairseq-train stops before the first update, naming the review and both lengths
     lengths = [len(text.split()) + 2 for text in texts["valid"]]  # fairseq-train loads valid first
@@ -256,3 +265,20 @@ def test_fairseq_train_finetunes_on_cut_reviews_and_refuses_uncut_ones(imdb, tmp
     proc = fairseq_train(data, tmp_path / "none", "none")
     expected = f"valid: document {longest} is {lengths[longest]} tokens long (with its special tokens), longer than "
     assert proc.returncode != 0 and f"{expected}max_positions 64" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_parameter_groups_name_every_parameter_a_finetuning_trains():
+    """--log-parameter-groups: each parameter of a Linformer with a band and a classification head
+    falls in its group; only the masked-LM head, which finetuning does not train, is 'other'."""
+    from test_linformer_model import build_model
+
+    from linformer_fairseq.tasks.long_sentence_prediction import parameter_group
+
+    model = build_model(local_window=8)
+    model.register_classification_head("sentence_classification_head", num_classes=2)
+    groups = {}
+    for name, _ in model.named_parameters():
+        groups.setdefault(parameter_group(name), []).append(name)
+    assert set(groups) == {"head", "projections", "offsets", "attention", "ffn", "norms", "embeddings", "other"}
+    assert all(name.startswith("encoder.lm_head.") for name in groups["other"]), groups["other"]
+    assert all(".self_attn." in name and "compress" not in name for name in groups["attention"])

@@ -10,12 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import CONFIG, call_main, load_script
+from conftest import CONFIG, call_main
 
+import benchmark as bench
 import linformer_fairseq  # noqa: F401  (registers adam_fused)
 from linformer_tools import update
-
-bench = load_script("benchmark")
 
 # a 2-layer model of width 32 on 32-token sequences: seconds per run on a CPU
 TINY = [
@@ -46,7 +45,7 @@ def test_update_mode_prints_the_speed_and_the_update_learns(dtype, tmp_path, cap
 def test_one_update_equals_a_hand_made_adamw_step(optimizer, tmp_path):
     """From the same weights and batch (no dropout): the trainer's update is the bare model's
     masked-LM mean loss, its gradients, and one AdamW step with fairseq's eps placement."""
-    args = bench.get_parser().parse_args(TINY[:-4] + ["--override", f"optimizer._name={optimizer}"])
+    args = bench.build_parser().parse_args(TINY[:-4] + ["--override", f"optimizer._name={optimizer}"])
     args.override += ["model.dropout=0", "model.attention_dropout=0", "lr_scheduler.warmup_updates=0"]
     args.override += ["optimization.lr=[0.001]", "optimizer.weight_decay=0.1"]
     data = tmp_path / "data"

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ENV, SCRIPTS, error_line, load_script
+from conftest import ENV, SCRIPTS, error_line
 from conftest import call_main as call
 
+import convert_roberta_to_linformer as convert
+import extend_max_positions as extend
 from linformer_fairseq import LinformerRobertaModel
 from linformer_fairseq.modules.linformer_attention import LENGTH_NORM_POWERS
 from linformer_tools import checkpoints
@@ -32,9 +34,6 @@ N = 32  # max_positions of every tiny model here
 TINY = ["--encoder-layers", "2", "--encoder-embed-dim", "64", "--encoder-ffn-embed-dim", "128",
         "--encoder-attention-heads", "2", "--max-positions", str(N), "--dropout", "0.0",
         "--attention-dropout", "0.0"]  # fmt: skip
-
-convert = load_script("convert_roberta_to_linformer")
-extend = load_script("extend_max_positions")
 
 
 def run(cmd, timeout=900):

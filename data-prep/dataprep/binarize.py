@@ -110,7 +110,8 @@ def split_documents(train, out_dir, shards):
     return paths
 
 
-def main():
+def build_parser():
+    """The command line (tests/test_readme.py parses the README's commands with it)."""
     p = parser(__doc__)
     p.add_argument("--train", required=True, type=Path, help="encoded train text (corpus layout)")
     p.add_argument("--valid", required=True, type=Path, help="encoded valid text")
@@ -125,7 +126,11 @@ def main():
         help="stop if more of the tokens than this are not in --srcdict (a sign of "
         "text that was never encoded); 1 accepts any text",
     )
-    args = p.parse_args()
+    return p
+
+
+def main():
+    args = build_parser().parse_args()
     if args.shards < 1:
         raise PrepError(f"--shards must be at least 1, got {args.shards}")
     binarize(args.train, args.valid, args.srcdict, args.destdir, args.shards, args.workers, args.max_unk_rate)

@@ -240,7 +240,8 @@ def _split(path, valid, out_dir):
     return counts
 
 
-def main():
+def build_parser():
+    """The command line (tests/test_readme.py parses the README's commands with it)."""
     p = parser(__doc__)
     p.add_argument("--out", required=True, type=Path, help="output folder (train.txt, valid.txt, stats.json)")
     src = p.add_argument_group("sources (at least one)")
@@ -282,9 +283,20 @@ def main():
     p.add_argument("--valid-docs", type=int, help="exact number of valid documents (overrides the fraction)")
     p.add_argument("--seed", type=int, default=1, help="seed of the train/valid split")
     p.add_argument("--workers", type=int, default=2, help="wikiextractor processes")
-    args = p.parse_args()
+    return p
+
+
+def check_required(p, args):
+    """At least one source, which argparse cannot require (tests/test_readme.py checks the
+    README's commands with it too)."""
     if not (args.wiki_dump or args.wiki_extracted or args.wikitext or args.books):
         p.error("give at least one source: --wiki-dump, --wiki-extracted, --wikitext or --books")
+
+
+def main():
+    p = build_parser()
+    args = p.parse_args()
+    check_required(p, args)
     if args.books_encoding != "auto":
         try:
             codecs.lookup(args.books_encoding)

@@ -206,7 +206,8 @@ def build_mrpc(src, dest):
             test.write(f"{i}\t" + "\t".join(line.split("\t")[1:]) + "\n")
 
 
-def main():
+def build_parser():
+    """The command line (tests/test_readme.py parses the README's commands with it)."""
     p = parser(__doc__)
     p.add_argument("--glue-dir", required=True, type=Path, help="glue_data folder with one sub-folder per task")
     p.add_argument("--download", action="store_true", help="download missing tasks into --glue-dir first")
@@ -215,7 +216,11 @@ def main():
     p.add_argument("--srcdict", required=True, type=Path, help="the pretraining dict.txt")
     p.add_argument("--destdir", required=True, type=Path, help="writes DESTDIR/<TASK>-bin")
     p.add_argument("--workers", type=int, default=default_workers())
-    args = p.parse_args()
+    return p
+
+
+def main():
+    args = build_parser().parse_args()
     spm.check_model(args.spm_model)
     require_file(args.srcdict, "dictionary")
     for name in args.tasks:

@@ -102,7 +102,8 @@ def _split(name, reviews):
     return Split(name, [[text for _, text in reviews]], [label for label, _ in reviews])
 
 
-def main():
+def build_parser():
+    """The command line (tests/test_readme.py parses the README's commands with it)."""
     p = parser(__doc__)
     p.add_argument(
         "--tarball",
@@ -120,7 +121,11 @@ def main():
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--workers", type=int, default=default_workers())
     p.add_argument("--unlabeled", type=Path, help="also write train/unsup's reviews to this text file, one a line")
-    args = p.parse_args()
+    return p
+
+
+def main():
+    args = build_parser().parse_args()
     spm.check_model(args.spm_model)
     require_file(args.srcdict, "dictionary")
     source = IMDB_URL if args.tarball == "download" else args.tarball

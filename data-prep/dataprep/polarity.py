@@ -97,7 +97,8 @@ def write_tarball(out, train, test, recipe):
             add(tar, f"aclImdb/train/unsup/{i}_0.txt", text)
 
 
-def main():
+def build_parser():
+    """The command line (tests/test_readme.py parses the README's commands with it)."""
     p = parser(__doc__)
     p.add_argument(
         "--source",
@@ -108,7 +109,11 @@ def main():
     p.add_argument("--out", required=True, type=Path, help="the tarball to write (aclImdb_v1 layout)")
     p.add_argument("--test-size", type=int, default=500, help="test reviews, half of each class")
     p.add_argument("--seed", type=int, default=1)
-    args = p.parse_args()
+    return p
+
+
+def main():
+    args = build_parser().parse_args()
     download_it = args.source == "download"
     local = None if download_it else require_file(args.source, "polarity source")
     recipe = Recipe("polarity tarball", {"source": local}, package=PACKAGE if download_it else None,

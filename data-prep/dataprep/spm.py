@@ -216,7 +216,8 @@ def _write(encoded_batches, out, progress):
         progress.update(len(batch))
 
 
-def main():
+def build_parser():
+    """The command line (tests/test_readme.py parses the README's commands with it)."""
     p = parser(__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a model and write dict.txt")
@@ -242,6 +243,11 @@ def main():
     e.add_argument("--inputs", required=True, type=Path, nargs="+")
     e.add_argument("--outputs", required=True, type=Path, nargs="+")
     e.add_argument("--workers", type=int, default=default_workers())
+    return p
+
+
+def main():
+    p = build_parser()
     args = p.parse_args()
     if args.command == "train":
         train(args.corpus, args.out, args.vocab_size, args.input_sentence_size, args.model_type, args.workers)

@@ -24,6 +24,8 @@ class LinformerConfig(PretrainedConfig):
         activation_dropout (`float`): `--activation-dropout` (after the FFN's activation).
         classifier_dropout (`float`): `--pooler-dropout`, the classification head's dropout.
         classifier_activation (`str`): `--pooler-activation-fn` of the classification head.
+        classifier_pooling (`str`): `--pooler-tokens`, what the classification head reads: "first", the final
+            state of `<s>`; "mean", the mean of the real tokens' final states.
         classifier_inner_dim (`int`, *optional*): width of the classification head's dense layer
             (default: `hidden_size`).
         max_positions (`int`): n, `--max-positions`: the longest input, and the length the projections E/F map from.
@@ -74,6 +76,7 @@ class LinformerConfig(PretrainedConfig):
         classifier_dropout=0.0,
         classifier_activation="tanh",
         classifier_inner_dim=None,
+        classifier_pooling="first",
         max_positions=512,
         layer_norm_eps=1e-5,
         normalize_before=False,
@@ -113,6 +116,9 @@ class LinformerConfig(PretrainedConfig):
         self.classifier_dropout = classifier_dropout
         self.classifier_activation = classifier_activation
         self.classifier_inner_dim = classifier_inner_dim
+        if classifier_pooling not in ("first", "mean"):
+            raise ValueError(f"classifier_pooling must be 'first' or 'mean', got {classifier_pooling!r}")
+        self.classifier_pooling = classifier_pooling
         self.max_positions = max_positions
         self.layer_norm_eps = layer_norm_eps
         self.normalize_before = normalize_before

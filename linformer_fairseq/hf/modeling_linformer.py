@@ -171,7 +171,8 @@ class LinformerLMHead(nn.Module):
 
 
 class LinformerClassificationHead(nn.Module):
-    """fairseq's RobertaClassificationHead, on the first token (<s>)."""
+    """fairseq's RobertaClassificationHead, on the first token (<s>) or, with
+    ``classifier_pooling="mean"``, on the mean of the real tokens' states."""
 
     def __init__(self, config: LinformerConfig):
         super().__init__()
@@ -180,9 +181,17 @@ class LinformerClassificationHead(nn.Module):
         self.out_proj = nn.Linear(inner, config.num_labels)
         self.activation_fn = activation(config.classifier_activation)
         self.dropout = config.classifier_dropout
+        self.pooling = config.classifier_pooling
 
-    def forward(self, features: Tensor) -> Tensor:
-        x = F.dropout(features[:, 0, :], self.dropout, self.training)
+    def forward(self, features: Tensor, real: Tensor | None = None) -> Tensor:
+        """features: ``B x T x C``; real: ``B x T``, False at padding (default: every token)."""
+        if self.pooling == "mean":
+            real = torch.ones_like(features[..., 0], dtype=torch.bool) if real is None else real
+            weights = real.unsqueeze(-1).to(features)
+            x = (features * weights).sum(1) / weights.sum(1)
+        else:
+            x = features[:, 0, :]
+        x = F.dropout(x, self.dropout, self.training)
         x = F.dropout(self.activation_fn(self.dense(x)), self.dropout, self.training)
         return self.out_proj(x)
 
@@ -421,7 +430,11 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
             output_hidden_states=output_hidden_states,
             return_dict=True,
         )
-        logits = self.classifier(outputs.last_hidden_state)
+        if attention_mask is not None:
+            real = attention_mask.bool()
+        else:
+            real = input_ids.ne(self.config.pad_token_id) if input_ids is not None else None
+        logits = self.classifier(outputs.last_hidden_state, real)
         loss = None
         if labels is not None:
             labels = labels.to(logits.device)

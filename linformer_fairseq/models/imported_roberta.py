@@ -7,6 +7,8 @@ from fairseq.models.roberta import RobertaModel
 from fairseq.models.roberta.model import base_architecture as roberta_base_architecture
 from torch import nn
 
+from .classification import POOLER_TOKENS, POOLER_TOKENS_HELP, PoolerTokens
+
 FAIRSEQ_LAYERNORM_EPS = 1e-5  # torch's default, which fairseq's LayerNorm() never changes
 
 
@@ -18,13 +20,14 @@ def set_layernorm_eps(model: nn.Module, eps: float):
 
 
 @register_model("roberta_imported")
-class ImportedRobertaModel(RobertaModel):
+class ImportedRobertaModel(PoolerTokens, RobertaModel):
     @staticmethod
     def add_args(parser):
         RobertaModel.add_args(parser)
         parser.add_argument(
             "--layernorm-eps", type=float, metavar="EPS", help="epsilon of every layer norm (default: 1e-5)"
         )
+        parser.add_argument("--pooler-tokens", choices=POOLER_TOKENS, help=POOLER_TOKENS_HELP + " (default: first)")
 
     @classmethod
     def build_model(cls, args, task):
@@ -36,4 +39,5 @@ class ImportedRobertaModel(RobertaModel):
 @register_model_architecture("roberta_imported", "roberta_imported")
 def imported_roberta_architecture(args):
     args.layernorm_eps = getattr(args, "layernorm_eps", FAIRSEQ_LAYERNORM_EPS)
+    args.pooler_tokens = getattr(args, "pooler_tokens", None) or "first"
     roberta_base_architecture(args)

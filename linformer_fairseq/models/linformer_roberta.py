@@ -29,6 +29,7 @@ from ..modules.linformer_attention import (
     LinformerSettings,
 )
 from ..modules.linformer_encoder import LinformerTransformerEncoder
+from .classification import POOLER_TOKENS, POOLER_TOKENS_HELP, PoolerTokens
 from .imported_roberta import FAIRSEQ_LAYERNORM_EPS, set_layernorm_eps
 
 
@@ -53,6 +54,7 @@ class LinformerRobertaConfig(FairseqDataclass):
     attention_dropout: float = field(default=0.1, metadata={"help": "dropout probability for attention weights"})
     activation_dropout: float = field(default=0.0, metadata={"help": "dropout probability after activation in FFN"})
     pooler_dropout: float = field(default=0.0, metadata={"help": "dropout probability in the masked_lm pooler layers"})
+    pooler_tokens: ChoiceEnum(POOLER_TOKENS) = field(default="first", metadata={"help": POOLER_TOKENS_HELP})
     max_positions: int = field(
         default=512, metadata={"help": "n: number of positions, and the length the projections E/F map from"}
     )
@@ -174,7 +176,7 @@ class LinformerRobertaConfig(FairseqDataclass):
 
 
 @register_model("linformer_roberta", dataclass=LinformerRobertaConfig)
-class LinformerRobertaModel(RobertaModel):
+class LinformerRobertaModel(PoolerTokens, RobertaModel):
     @classmethod
     def add_args(cls, parser):
         # RobertaModel hard-codes its argparse flags; take them from the dataclass instead,

@@ -1,3 +1,5 @@
+from importlib.util import find_spec
+
 from .linformer_attention import (
     COMPRESS_SHARING,
     COMPRESS_TYPES,
@@ -5,14 +7,18 @@ from .linformer_attention import (
     LinformerSettings,
     SequenceProjection,
 )
-from .linformer_encoder import LinformerEncoderLayer, LinformerTransformerEncoder
 
 __all__ = [
     "COMPRESS_SHARING",
     "COMPRESS_TYPES",
-    "LinformerEncoderLayer",
     "LinformerMultiheadAttention",
     "LinformerSettings",
-    "LinformerTransformerEncoder",
     "SequenceProjection",
 ]
+
+# the encoder builds on fairseq's; the attention needs torch alone (scripts/benchmark_attention.py
+# imports it on a GPU node without fairseq)
+if find_spec("fairseq") is not None:
+    from .linformer_encoder import LinformerEncoderLayer, LinformerTransformerEncoder
+
+    __all__ += ["LinformerEncoderLayer", "LinformerTransformerEncoder"]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from fairseq import metrics
 from fairseq.data import BaseWrapperDataset
 from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks import register_task
@@ -36,6 +37,16 @@ class LongSentencePredictionConfig(SentencePredictionConfig):
     )
     truncation_head_tokens: int = field(
         default=128, metadata={"help": "head_tail: tokens kept from the start after <s> (at most max_positions - 2)"}
+    )
+    log_parameter_groups: bool = field(
+        default=False,
+        metadata={
+            "help": "log at every update, for each parameter group (projections E/F, the band's far-field "
+            "offsets, attention, FFN, embeddings, layer norms, the classification head), its share of the "
+            "gradient norm (gshare_GROUP; times fairseq's gnorm: the group's norm) and how far it has moved "
+            "from where this run started (moved_GROUP: |p - p0| / |p0|, or |p - p0| where p0 = 0; p0 as loaded "
+            "or resumed)"
+        },
     )
 
 
@@ -73,9 +84,59 @@ class TruncatedDataset(BaseWrapperDataset):
 _SHORTEN_NAME = threading.Lock()
 
 
+# parameter groups by name, the first match wins (fairseq's and the plugin's module names)
+PARAMETER_GROUPS = (
+    ("head", ("classification_heads.",)),
+    ("projections", ("compress_k.", "compress_v.")),
+    ("offsets", ("local_far_bias",)),
+    ("attention", ("self_attn.",)),
+    ("ffn", ("fc1.", "fc2.")),
+    ("norms", ("layer_norm.", "layernorm_embedding.")),
+    ("embeddings", ("embed_tokens.", "embed_positions.")),
+)
+
+
+def parameter_group(name: str) -> str:
+    return next((group for group, parts in PARAMETER_GROUPS if any(part in name for part in parts)), "other")
+
+
+class ParameterGroupLog:
+    """Each group's share of the gradient norm and its relative distance from the start. Shares,
+    not norms: under fp16 the model's gradients are still multiplied by the loss scale here."""
+
+    def __init__(self):
+        self.start: dict[str, torch.Tensor] = {}
+
+    def __call__(self, model):
+        # what this update trains: a finetuning's masked-LM head, say, gets no gradient
+        trained = [(name, p) for name, p in model.named_parameters() if p.grad is not None]
+        squares = {}  # group -> [gradient, moved, start] squared norms
+        for name, p in trained:
+            sums = squares.setdefault(parameter_group(name), [p.new_zeros((), dtype=torch.float32) for _ in range(3)])
+            start = self.start.setdefault(name, p.detach().clone())  # before its first update
+            sums[0] += p.grad.detach().float().square().sum()
+            sums[1] += (p.detach() - start).float().square().sum()
+            sums[2] += start.float().square().sum()
+        values = {group: torch.stack(sums).tolist() for group, sums in squares.items()}
+        total = sum(v[0] for v in values.values()) ** 0.5
+        for group, (gradient, moved, start) in sorted(values.items()):
+            metrics.log_scalar(f"gshare_{group}", gradient**0.5 / max(total, 1e-30), round=4)
+            metrics.log_scalar(f"moved_{group}", (moved / (start if start > 0 else 1.0)) ** 0.5, round=5)
+
+
 @register_task("long_sentence_prediction", dataclass=LongSentencePredictionConfig)
 class LongSentencePredictionTask(SentencePredictionTask):
     """``sentence_prediction`` whose inputs are cut by ``--truncation`` (or checked to fit)."""
+
+    def __init__(self, cfg, data_dictionary, label_dictionary):
+        super().__init__(cfg, data_dictionary, label_dictionary)
+        self.parameter_group_log = ParameterGroupLog() if cfg.log_parameter_groups else None
+
+    def optimizer_step(self, optimizer, model, update_num):
+        # here the update's gradients are complete (summed over update_freq, clipped)
+        if self.parameter_group_log is not None:
+            self.parameter_group_log(model)
+        super().optimizer_step(optimizer, model, update_num)
 
     def load_dataset(self, split, combine=False, **kwargs):
         assert self.cfg.shorten_method == "none", (

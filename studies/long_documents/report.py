@@ -174,8 +174,8 @@ def probe_table(args, specs, results):
     lines = ["", "Linear probe (--probe): a logistic regression on the frozen model's final hidden states "
              "averaged over each review (before finetuning), fit on the training reviews as the run reads them, "
              "the L2 penalty picked on the validation reviews; test accuracy beside finetuning's (mean of seeds):",
-             "", f"| run | L2 penalty | validation | test | <= {n} tokens | > {n} tokens | finetuned |",
-             "| --- " * 7 + "|"]  # fmt: skip
+             "", f"| run | L2 penalty | validation | test | <= {n} tokens | > {n} tokens | <s> alone: validation, test "
+             "| finetuned |", "| --- " * 8 + "|"]  # fmt: skip
     for name, found in measured.items():
 
         def accuracy(keep, rows=found["test"]):
@@ -187,7 +187,9 @@ def probe_table(args, specs, results):
         if name in results:
             results[name]["probe"] = probe
         cells = [f"{probe[key]:.1f}" if probe[key] is not None else "-" for key in ("valid", "all", "short", "long")]
-        cells = [f"{found['penalty']:g}", *cells, mean_sd(results[name]["all"]) if name in results else "-"]
+        first = found.get("first")  # probes made before <s> was probed too have none
+        first = f"{first['valid']:.1f}, {accuracy(lambda x: True, first['test']):.1f}" if first else "-"
+        cells = [f"{found['penalty']:g}", *cells, first, mean_sd(results[name]["all"]) if name in results else "-"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 

@@ -9,9 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from linformer_tools import checkpoints
+from linformer_tools import checkpoints, fidelity
 from linformer_tools.common import SCRIPTS_DIR as SCRIPTS
 from linformer_tools.common import fail, write_text
+from linformer_tools.probe import fit_linear_probe
 
 from common import context_losses, finetuning_cost, load, log, sh
 from long_documents.data import labeled_reviews, length_bins, test_lengths, test_reviews
@@ -215,7 +216,7 @@ def finetune(args, name, run, seed):
     out = args.out / "runs" / name / f"seed{seed}"
     if (out / "predictions.json").exists():
         return
-    checkpoint = run.pretrained()
+    checkpoint = probed(args, name, run) if args.lp_ft else run.pretrained()
     total = -(-args.train_size // args.batch) * args.epochs
     step = step_batch(args, run.reads)
     if not (out.parent / f"seed{seed}.log").exists():
@@ -229,13 +230,27 @@ def finetune(args, name, run, seed):
             + [f"optimization.lr=[{args.lr}]", f"lr_scheduler.warmup_updates={max(1, total * 6 // 100)}"]
             # every review of a step fits: the same reviews per update at every length
             + [f"dataset.max_tokens={step * run.reads}", "dataset.num_workers=0"]
-            + ["common.log_format=simple", f"common.log_interval={max(1, total // 20)}", *run.overrides],
+            + ["common.log_format=simple", f"common.log_interval={max(1, total // 20)}", *run.overrides]
+            + [f"++model.pooler_tokens={args.pooler_tokens}", *args.finetune_overrides],
             out.parent / f"seed{seed}.log",
             threads=args.threads,
         )
-    write_text(out / "predictions.json", json.dumps(predict(args, out / "checkpoint_last.pt")))
+    write_text(out / "predictions.json", json.dumps(predict(args, out / f"checkpoint_{args.predict_with}.pt")))
     for path in out.glob("checkpoint*.pt"):  # the predictions are what the report needs
         path.unlink()
+
+
+def probed(args, name, run):
+    """--lp-ft: the run's model with the classification head of a linear probe of its frozen
+    features (scripts/probe_head.py), which finetuning starts from."""
+    out = args.out / "probed" / f"{name}.pt"
+    if not out.exists():
+        log(f"{name}: a linear probe's head to start finetuning from")
+        sh([sys.executable, SCRIPTS / "probe_head.py", run.pretrained(), "--data", args.imdb_bin, "--out", out]
+           + ["--truncation", run.truncation, "--truncation-head-tokens", args.n // 4, "--device", device(args)]
+           + ["--pooler-tokens", args.pooler_tokens],
+           out.with_suffix(".log"), args.threads)  # fmt: skip
+    return out
 
 
 def predict(args, checkpoint):
@@ -276,37 +291,42 @@ def do_run(args, name, run):
         fidelity_by_length(args, name, run)
 
 
-PROBE_PENALTIES = (1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
-
-
 def linear_probe(args, name, run):
     """What the run's model knows of the labels before finetuning: a logistic regression on its
     frozen final hidden states, averaged over each review's tokens (all-MiniLM-L6-v2's own
     sentence embedding), of the training reviews as the run reads them; the L2 penalty picked on
     fairseq's validation reviews. OUT/probe/NAME.json: the penalty, the validation accuracy and
-    each test review's (length, correct), in the test set's order."""
+    each test review's (length, correct), in the test set's order; under "first", the same for
+    the state of <s> alone, which fairseq's classification head reads."""
     path = args.out / "probe" / f"{name}.json"
     if path.is_file():
         return
     import torch
 
-    linearize = linearize_here(args)
+    use_threads(args)
     log(f"{name}: linear probe on frozen features")
-    model = linearize.load(run.pretrained(), device(args))[0]
-    features, labels = {}, {}
+    model = fidelity.load(run.pretrained(), device(args))[0]
+    features, labels = {"mean": {}, "first": {}}, {}
     for split in ("train", "valid", "test"):
         reviews, labels[split] = labeled_reviews(args, split, run.reads, run.truncation)
-        features[split] = mean_features(model, reviews, linearize.PAD)
-    penalty, valid, guesses = fit_linear_probe(features, {s: torch.tensor(y) for s, y in labels.items()})
-    rows = [(x, guess == y) for x, guess, y in zip(test_lengths(args), guesses.tolist(), labels["test"])]
-    write_text(path, json.dumps(dict(penalty=penalty, valid=100 * valid, test=rows)))
+        features["mean"][split], features["first"][split] = review_features(model, reviews, fidelity.PAD)
+    labels = {s: torch.tensor(y) for s, y in labels.items()}
+
+    def fit(pooling):
+        probe = fit_linear_probe(features[pooling], labels)
+        guesses = probe.logits(features[pooling]["test"]).argmax(1).tolist()
+        rows = [(x, guess == y) for x, guess, y in zip(test_lengths(args), guesses, labels["test"].tolist())]
+        return dict(penalty=probe.penalty, valid=100 * probe.valid, test=rows)
+
+    write_text(path, json.dumps(dict(**fit("mean"), first=fit("first"))))
 
 
-def mean_features(model, reviews, pad, tokens_a_batch=4096):
-    """Each review's final hidden states averaged over its tokens: ``len(reviews) x C``, float64."""
+def review_features(model, reviews, pad, tokens_a_batch=4096):
+    """Each review's final hidden states averaged over its tokens, and the state of its first
+    token (<s>): two ``len(reviews) x C`` tensors, float64."""
     import torch
 
-    out = [None] * len(reviews)
+    mean, first = [None] * len(reviews), [None] * len(reviews)
     order = sorted(range(len(reviews)), key=lambda i: len(reviews[i]))  # batches padded to a close length
     device = next(model.parameters()).device
     with torch.no_grad():
@@ -318,52 +338,18 @@ def mean_features(model, reviews, pad, tokens_a_batch=4096):
             x = torch.nn.utils.rnn.pad_sequence([reviews[i] for i in batch], batch_first=True, padding_value=pad)
             hidden = model(x.to(device), features_only=True)[0].double()
             real = x.ne(pad).unsqueeze(-1).to(hidden)
-            for i, row in zip(batch, ((hidden * real).sum(1) / real.sum(1)).cpu()):
-                out[i] = row
-    return torch.stack(out)
+            for i, average, start_state in zip(batch, ((hidden * real).sum(1) / real.sum(1)).cpu(), hidden[:, 0].cpu()):
+                mean[i], first[i] = average, start_state
+    return torch.stack(mean), torch.stack(first)
 
 
-def fit_linear_probe(features, labels, penalties=PROBE_PENALTIES):
-    """Logistic regression (L-BFGS, float64) on features standardized by the training split's
-    statistics, once per L2 penalty (times the squared weights, beside the mean loss); the one
-    best on the validation split is kept. features, labels: ``N x C`` and ``N`` of each split
-    (train, valid, test). Returns (penalty, validation accuracy, test predictions)."""
-    import torch
-    import torch.nn.functional as F
-
-    mean, scale = features["train"].mean(0), features["train"].std(0).clamp(min=1e-8)
-    x = {split: ((f - mean) / scale).double() for split, f in features.items()}
-    classes = int(labels["train"].max()) + 1
-    best = None
-    for penalty in penalties:
-        weight = torch.zeros(x["train"].size(1), classes, dtype=torch.float64, requires_grad=True)
-        bias = torch.zeros(classes, dtype=torch.float64, requires_grad=True)
-        solver = torch.optim.LBFGS([weight, bias], max_iter=1000, line_search_fn="strong_wolfe")
-
-        def loss():
-            solver.zero_grad()
-            value = F.cross_entropy(x["train"] @ weight + bias, labels["train"]) + penalty * weight.square().sum()
-            value.backward()
-            return value
-
-        solver.step(loss)
-        with torch.no_grad():
-            valid = (x["valid"] @ weight + bias).argmax(1).eq(labels["valid"]).double().mean().item()
-            if best is None or valid > best[1]:
-                best = (penalty, valid, (x["test"] @ weight + bias).argmax(1))
-    return best
-
-
-def linearize_here(args):
-    """scripts/linearize.py as a module (its load and fidelity), with torch on --threads threads."""
-    if str(SCRIPTS) not in sys.path:  # linearize.py is a user script, not a module of a package
-        sys.path.append(str(SCRIPTS))
-    import linearize
+def use_threads(args):
+    """torch on --threads threads in this process, as the runs' subprocesses are (the probe and
+    the fidelity measure run here)."""
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return linearize
 
 
 def fidelity_by_length(args, name, run):
@@ -375,18 +361,18 @@ def fidelity_by_length(args, name, run):
         return
     import torch
 
-    linearize = linearize_here(args)  # its fidelity(): the measure of the linearization's own report
+    use_threads(args)  # fidelity.fidelity(): the measure of linearize.py's own report
     log(f"{name}: fidelity on test reviews by length")
     teacher = extended(args, "original", run.reads) if run.reads > args.n else base_checkpoint(args, "original")
-    student, teacher = linearize.load(run.pretrained(), device(args))[0], linearize.load(teacher, device(args))[0]
+    student, teacher = fidelity.load(run.pretrained(), device(args))[0], fidelity.load(teacher, device(args))[0]
     reviews = test_reviews(args, run.reads)
     found = {}
     for label, keep in length_bins(args.n, args.factors):
         picked = sorted([r for r in reviews if keep(len(r))][: args.fidelity_reviews], key=len)  # less padding
         cosine = None
         if picked:
-            rows = torch.nn.utils.rnn.pad_sequence(picked, batch_first=True, padding_value=linearize.PAD)
-            cosine = linearize.fidelity(student, teacher, rows)["cosine"]
+            rows = torch.nn.utils.rnn.pad_sequence(picked, batch_first=True, padding_value=fidelity.PAD)
+            cosine = fidelity.fidelity(student, teacher, rows)["cosine"]
         found[label] = dict(reviews=len(picked), cosine=cosine)
     write_text(path, json.dumps(dict(reviews_a_bin=args.fidelity_reviews, bins=found), indent=1))
 

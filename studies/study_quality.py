@@ -44,7 +44,7 @@ DATA_PREP = REPO / "data-prep"
 
 # The model, n and the pretraining recipe of each study size; --batch, --budget, --lr,
 # --vocab-size, --dropout, --mask-prob and --pre-ln override the recipe. "context" is the scale
-# at which the models use context (docs/quality.md: the recipe search); "small" the 800-update
+# at which the models use context (docs/quality/context-search.md); "small" the 800-update
 # small-budget reading.
 SIZES = {
     "context": dict(layers=4, dim=256, ffn=1024, heads=4, n=256, batch=16, vocab=2000, lr=1e-3, budget=3000),

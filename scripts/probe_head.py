@@ -29,10 +29,10 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from linformer_fairseq.models.classification import POOLER_TOKENS, mean_over_tokens  # noqa: E402
+from linformer_fairseq.models.classification import POOLER_TOKENS  # noqa: E402
 from linformer_tools import checkpoints  # noqa: E402
 from linformer_tools.common import fail  # noqa: E402
-from linformer_tools.probe import PENALTIES, fit_linear_probe, head_weights  # noqa: E402
+from linformer_tools.probe import ACTIVATIONS, PENALTIES, fit_linear_probe, head_weights  # noqa: E402
 
 HEAD = "sentence_classification_head"  # fairseq's sentence_prediction default
 
@@ -107,12 +107,7 @@ def features_and_labels(model, task, split, tokens_a_batch, head=None):
             sample = utils.apply_to_sample(lambda t: t.to(device), dataset.collater([dataset[i] for i in batch]))
             tokens = sample["net_input"]["src_tokens"]
             out = model(tokens, features_only=True, classification_head_name=head)[0]
-            if head:
-                out = out.argmax(-1)
-            elif model.args.pooler_tokens == "mean":
-                out = mean_over_tokens(out, tokens.ne(task.source_dictionary.pad()))[:, 0]
-            else:
-                out = out[:, 0]
+            out = out.argmax(-1) if head else model.pool(out, tokens)[:, 0]
             for i, row, label in zip(sample["id"].tolist(), out.cpu(), sample["target"].view(-1).tolist()):
                 rows[i], labels[i] = row, label
             if time.time() - started > 30:
@@ -127,6 +122,10 @@ def main():
     checkpoints.model_kind(state, args.checkpoint)
     ns = checkpoints.model_namespace(state)
     ns.pooler_tokens = args.pooler_tokens or getattr(ns, "pooler_tokens", None) or "first"
+    activation = getattr(ns, "pooler_activation_fn", "tanh")
+    if activation not in ACTIVATIONS:  # before the long feature pass
+        fail(f"{args.checkpoint}: its head's activation is {activation} (--pooler-activation-fn); a probe becomes "
+             f"a head with {' or '.join(ACTIVATIONS)}")  # fmt: skip
     model = checkpoints.build_model(ns, checkpoints.vocab_size(state))
     checkpoints.load_weights(model, state["model"])
     model.to(args.device).eval()
@@ -145,7 +144,7 @@ def main():
 
     model.register_classification_head(HEAD, num_classes=probe.bias.numel())
     head = model.classification_heads[HEAD]
-    weights = head_weights(probe, getattr(ns, "pooler_activation_fn", "tanh"))
+    weights = head_weights(probe, activation)
     head.load_state_dict({name: w.to(args.device) for name, w in weights.items()})
     note = dict(kind="linear probe head", source=str(args.checkpoint), data=str(args.data),
                 truncation=args.truncation, pooler_tokens=ns.pooler_tokens, penalty=probe.penalty,

@@ -15,6 +15,7 @@ PENALTIES = (1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
 # for standardized features |z| <= 4, so the head computes the probe's logits almost exactly and
 # finetuning starts in tanh's linear range, where the head's gradients are undamped
 TANH_SLOPE = 0.05
+ACTIVATIONS = ("tanh", "linear")  # the head activations under which a head can compute a linear probe
 
 
 class Probe(NamedTuple):
@@ -64,7 +65,7 @@ def head_weights(probe: Probe, activation: str, slope: float = TANH_SLOPE) -> di
     """fairseq's classification head (dense, activation, out_proj, as wide as the features) set to
     compute the probe: dense standardizes each feature and scales it into tanh's linear range,
     out_proj undoes the scale and applies the probe. Keys relative to the head's prefix."""
-    assert activation in ("tanh", "linear"), (
+    assert activation in ACTIVATIONS, (
         f"a probe becomes a head whose activation is tanh or linear, not {activation} (--pooler-activation-fn)"
     )
     a = slope if activation == "tanh" else 1.0

@@ -231,7 +231,9 @@ def finetune(args, name, run, seed):
             # every review of a step fits: the same reviews per update at every length
             + [f"dataset.max_tokens={step * run.reads}", "dataset.num_workers=0"]
             + ["common.log_format=simple", f"common.log_interval={max(1, total // 20)}", *run.overrides]
-            + [f"++model.pooler_tokens={args.pooler_tokens}", *args.finetune_overrides],
+            # first is every model's default: only mean is said, so a model without the flag never meets it
+            + (["++model.pooler_tokens=mean"] if args.pooler_tokens == "mean" else [])
+            + args.finetune_overrides,
             out.parent / f"seed{seed}.log",
             threads=args.threads,
         )

@@ -123,9 +123,10 @@ print_plan() {  # WORLD BATCH UPDATE_FREQ GLOBAL_BATCH
     fi
     echo "threads: $THREADS_NOTE"
     echo "batch: $2 sequences per GPU x update_freq $3 x world size $1 = global batch $4"
-    if [[ -n $TOKEN_CAP_NOTE ]]; then
-        echo "  $TOKEN_CAP_NOTE"
-    fi
+    local note
+    for note in "${PLAN_NOTES[@]}"; do
+        echo "  $note"
+    done
     echo "save dir: $SAVE_DIR (hydra_train.log, tensorboard/, .hydra/)"
     if [[ -n $RESUME_NOTE ]]; then
         echo "$RESUME_NOTE"
@@ -141,15 +142,21 @@ print_plan() {  # WORLD BATCH UPDATE_FREQ GLOBAL_BATCH
 # RESUME_NOTE saying why; none for a fresh start), and with FROM set, the model FROM holds and
 # its weights to start from (a relaunch continues its own run, optimizer and all), then OVERRIDES
 # and the batch arithmetic. BLOCKS_OF_MODEL_LENGTH=1: pretraining blocks of FROM's max_positions.
-FROM='' BLOCKS_OF_MODEL_LENGTH=0 RESUME='' RESUME_NOTE='' TOKEN_CAP_NOTE=''
+# LP_FT=first|mean (finetune.sh --lp-ft): training starts from PROBED, FROM with the head of a
+# linear probe of FROM's features of DATA, fitted here first unless PROBED exists or the run resumes.
+FROM='' BLOCKS_OF_MODEL_LENGTH=0 RESUME='' RESUME_NOTE='' PLAN_NOTES=() LP_FT='' PROBED='' PROBE=''
 launch() {
-    local config_dir=$1 config=$2 answer line batch update_freq global_batch flags=()
+    local config_dir=$1 config=$2 answer line batch update_freq global_batch flags=() probe_cmd=() truncation head_tokens
     set_world_size
     set_threads
     SAVE_DIR=$(realpath -m "$SAVE_DIR")  # every node and rank must see the same path
     if [[ -n $FROM ]]; then
         [[ -f $FROM ]] || die "checkpoint $FROM does not exist"
         flags+=(--from "$(realpath "$FROM")")
+    fi
+    if [[ -n $LP_FT ]]; then
+        PROBED=$SAVE_DIR/probed.pt
+        flags+=(--lp-ft "$LP_FT" --probed "$PROBED")
     fi
     ((BLOCKS_OF_MODEL_LENGTH)) && flags+=(--blocks-of-model-length)
     ((DRY_RUN)) && flags+=(--dry-run)
@@ -161,11 +168,20 @@ launch() {
         case ${line%% *} in
             override) OVERRIDES+=("${line#* }") ;;
             batch) read -r batch update_freq global_batch <<<"${line#* }" ;;
-            note) TOKEN_CAP_NOTE=${line#* } ;;
+            note) PLAN_NOTES+=("${line#* }") ;;
             resume) RESUME=${line#* } ;;
             resume_note) RESUME_NOTE=${line#* } ;;
+            probe) PROBE=${line#* } ;;
         esac
     done <<<"$answer"
+    if [[ -n $PROBE ]]; then
+        read -r truncation head_tokens <<<"$PROBE"
+        probe_cmd=("$PYTHON" "$REPO/scripts/probe_head.py" "$(realpath "$FROM")" --data "$DATA" --out "$PROBED.partial"
+            --pooler-tokens "$LP_FT" --truncation "$truncation" --truncation-head-tokens "$head_tokens")
+        ((CPU)) && probe_cmd+=(--device cpu)
+        ((${SLURM_NTASKS:-1} == 1)) || ((DRY_RUN)) ||  # srun starts this script once a rank
+            die "--lp-ft in a job of ${SLURM_NTASKS} tasks: each would fit the probe. Fit it once first, then relaunch: $(printf '%q ' "${probe_cmd[@]}") && mv $(printf '%q' "$PROBED.partial") $(printf '%q' "$PROBED")"
+    fi
 
     local cmd=("$PYTHON" -m fairseq_cli.hydra_train --config-dir "$config_dir" --config-name "$config"
         "common.user_dir=$(hydra_quote "$REPO/linformer_fairseq")"
@@ -192,12 +208,21 @@ launch() {
 
     if [[ ${SLURM_PROCID:-0} == 0 ]]; then  # under srun, one copy of the plan is enough
         print_plan "$WORLD" "$batch" "$update_freq" "$global_batch"
+        if ((${#probe_cmd[@]})); then
+            echo "lp-ft: first a linear probe of the features ($LP_FT): $(printf '%q ' "${probe_cmd[@]}")"
+        elif [[ -n $LP_FT && -z $RESUME ]]; then
+            echo "lp-ft: starting from $PROBED (fitted by an earlier launch)"
+        fi
         echo "command: $(printf '%q ' "${cmd[@]}")"
     fi
     if ((DRY_RUN)); then
         return
     fi
     mkdir -p "$SAVE_DIR"
+    if ((${#probe_cmd[@]})); then  # written aside and moved: a cut-short probe is never started from
+        "${probe_cmd[@]}" || die "the linear probe for --lp-ft failed (above)"
+        mv "$PROBED.partial" "$PROBED"
+    fi
     if ((CPU && WORLD > 1)); then
         # fairseq's Slurm init takes device_id from SLURM_LOCALID and would select that CUDA
         # device; a CPU rank has none (its rank still comes from SLURM_PROCID)

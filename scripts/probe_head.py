@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Start finetuning from a linear probe (LP-FT): fit a logistic regression on the frozen model's
+r"""Start finetuning from a linear probe (LP-FT): fit a logistic regression on the frozen model's
 features of a classification data-bin, and write a copy of the checkpoint whose classification
 head computes it. scripts/finetune.sh then starts from that head instead of a random one.
 
@@ -12,7 +12,9 @@ written checkpoint, loaded as fairseq loads it, predicts the validation split as
 
     python scripts/probe_head.py CHECKPOINT --data DATA-BIN --truncation head_tail --pooler-tokens mean \
         --out PROBED.pt
-    scripts/finetune.sh imdb PROBED.pt --data DATA-BIN
+    scripts/finetune.sh long_documents PROBED.pt --data DATA-BIN
+
+scripts/finetune.sh --lp-ft mean runs it first (the probed checkpoint in its --save-dir).
 
 Kumar et al. 2022 and docs/long_documents.md (where it matters: a Linformer on long documents).
 """

@@ -122,19 +122,24 @@ def test_finetuning_config_builds_its_model(name, data):
     assert cfg.task.max_positions == cfg.model.max_positions == 512
     assert (cfg.task._name, cfg.task.truncation) == (
         "long_sentence_prediction",
-        "head_tail" if name == "imdb" else "head",
+        "head_tail" if name in ("imdb", "long_documents") else "head",
     )
     metric = {"cola": "mcc", "sts_b": "pearson"}.get(name, "accuracy")
     assert cfg.checkpoint.best_checkpoint_metric == metric and cfg.checkpoint.maximize_best_checkpoint_metric
     classes = {"mnli": 3, "sts_b": 1}.get(name, 2)
     assert cfg.criterion.regression_target == (classes == 1)
-    # fairseq's published per-task recipes are for one GPU; IMDB's is 8 x update_freq 4
+    # fairseq's published per-task recipes are for one GPU; IMDB's is 8 x update_freq 4; long
+    # documents are read whole, 2 in a step (its max_tokens is 2 x 4,096)
     assert cfg.dataset.batch_size * cfg.optimization.update_freq[0] == {
         "cola": 16,
         "mrpc": 16,
         "rte": 16,
         "sts_b": 16,
+        "long_documents": 8,
     }.get(name, 32)
+    if name == "long_documents":
+        assert cfg.dataset.max_tokens == cfg.dataset.batch_size * 4096 and cfg.optimization.max_epoch == 2
+        assert cfg.optimization.max_update == 0 and cfg.optimization.lr == [1e-4]
     model = build(cfg)
     assert all(
         isinstance(layer.self_attn, LinformerMultiheadAttention) for layer in model.encoder.sentence_encoder.layers

@@ -3,11 +3,11 @@ the probe, round-trips through a checkpoint into finetune.sh, and a group frozen
 (--freeze-compress) gets no update while the rest does."""
 
 import json
-import sys
+import subprocess
 
 import pytest
 import torch
-from conftest import SCRIPTS
+from conftest import ENV, SCRIPTS, build_sst2_bin
 from fairseq.models.roberta.model import RobertaClassificationHead
 from test_long_documents import data, run  # noqa: F401  (data: the module's data-bins, a fixture)
 
@@ -59,31 +59,75 @@ def test_the_head_computes_the_probe(activation):
         head_weights(probe, "gelu")
 
 
+@pytest.mark.parametrize("pooler", ["first", "mean"])
+def test_lp_ft_plans_training_from_the_probe(pooler, tmp_path):
+    """finetune.sh --lp-ft --dry-run: the probe reads documents as the run will (the truncation of
+    the config or the command line), training restores the probed checkpoint with the model reading
+    the probe's states; once it is fitted, a launch starts from it without fitting again."""
+    checkpoint, save = tmp_path / "model.pt", tmp_path / "save"
+    torch.save({"cfg": {"model": {"_name": "linformer_roberta", "max_positions": 512}}}, checkpoint)
+    cmd = [str(c) for c in [SCRIPTS / "finetune.sh", "--dry-run", "--cpu", "--lp-ft", pooler, "--save-dir", save]]
+    plan = lambda *extra: subprocess.run([*cmd, *extra], env=ENV, capture_output=True, text=True)  # noqa: E731
+    out = plan("imdb", checkpoint, "truncation=tail").stdout
+    probe = next(line for line in out.splitlines() if line.startswith("lp-ft: first a linear probe"))
+    assert f"--out {save}/probed.pt.partial --pooler-tokens {pooler} --truncation tail" in probe, out
+    assert f"checkpoint.restore_file=\\'{save}/probed.pt\\'" in out and f"pooler_tokens=\\'{pooler}\\'" in out, out
+    assert "--truncation head_tail --truncation-head-tokens 128" in plan("imdb", checkpoint).stdout
+    save.mkdir()
+    (save / "probed.pt").touch()
+    out = plan("imdb", checkpoint).stdout
+    assert f"lp-ft: starting from {save}/probed.pt" in out and "first a linear probe" not in out, out
+
+    torch.save({"cfg": {"model": {"_name": "roberta", "max_positions": 512}}}, checkpoint)
+    failed = plan("imdb", checkpoint)
+    assert (failed.returncode == 0) == (pooler == "first"), failed.stderr
+    if pooler == "mean":
+        assert "its model (roberta) reads <s> only" in failed.stderr, failed.stderr
+    failed = plan("imdb", checkpoint, "--lp-ft", "median")
+    assert failed.returncode != 0 and "--lp-ft takes first or mean, got 'median'" in failed.stderr
+
+
+def test_long_documents_config_takes_its_schedule_from_the_data(tmp_path, wikitext_bin):
+    """configs/finetuning/long_documents.yaml leaves max_update 0: the launcher ends the schedule
+    after its 2 epochs of the data-bin's 320 training inputs in updates of 8, warmup 6%."""
+    sst2, checkpoint = build_sst2_bin(tmp_path / "bin", wikitext_bin), tmp_path / "model.pt"
+    torch.save({"cfg": {"model": {"_name": "linformer_roberta", "max_positions": 2048}}}, checkpoint)
+    cmd = [SCRIPTS / "finetune.sh", "--dry-run", "--cpu", "--lp-ft", "mean", "--data", sst2, "long_documents"]
+    cmd.append(checkpoint)
+    out = subprocess.run([str(c) for c in cmd], env=ENV, capture_output=True, text=True).stdout
+    assert "max_update: 2 epochs x 40 updates (320 training inputs / 8) = 80, warmup 5" in out, out
+    assert "optimization.max_update=80 lr_scheduler.warmup_updates=5" in out and "global batch 8" in out, out
+    assert "--truncation head_tail --truncation-head-tokens 128" in out, out
+    missing = subprocess.run([str(c) for c in cmd[:3] + ["--data", tmp_path / "none", *cmd[7:]]], env=ENV,
+                             capture_output=True, text=True)  # fmt: skip
+    assert "max_update: 2 epochs of" in missing.stdout and "counted when it exists" in missing.stdout, missing.stdout
+
+
 @pytest.mark.slow
-def test_a_probe_head_round_trips_into_finetune_sh_and_a_frozen_group_stays(data, tmp_path):  # noqa: F811
-    """probe_head.py writes a checkpoint whose head predicts as the probe (of the mean of the
-    final states); finetune.sh starts from that head (not a fresh one) and keeps the mean; with
-    model.freeze_compress=1 the projections leave finetuning bit for bit while the attention and
-    the head move."""
+def test_lp_ft_round_trips_into_finetune_sh_and_a_frozen_group_stays(data, tmp_path):  # noqa: F811
+    """finetune.sh --lp-ft mean fits the probe (of the mean of the final states) and writes it as a
+    head that predicts as the probe; training starts from that head (not a fresh one) and keeps the
+    mean; with model.freeze_compress=1 the projections leave finetuning bit for bit while the
+    attention and the head move; a relaunch resumes without fitting the probe again."""
     tiny = ["model.encoder_layers=2", "model.encoder_embed_dim=32", "model.encoder_ffn_embed_dim=64"]
     tiny += ["model.encoder_attention_heads=2", "common.log_interval=1", "dataset.num_workers=0"]
     cpu = ["--cpu", "--batch-size", "8", "--global-batch", "8"]
     run([SCRIPTS / "pretrain.sh", *cpu, "--save-dir", tmp_path / "pretrain", "quickstart", data / "bin/shard0", *tiny]
         + ["task.tokens_per_sample=64", "model.compressed_dim=16", "optimization.max_update=4"])  # fmt: skip
-    probed = tmp_path / "probed.pt"
-    out = run([sys.executable, SCRIPTS / "probe_head.py", tmp_path / "pretrain/checkpoint_last.pt", "--data",
-               data / "IMDB-bin", "--truncation", "head_tail", "--truncation-head-tokens", 16, "--out", probed,
-               "--device", "cpu", "--pooler-tokens", "mean"]).stdout  # fmt: skip
-    report = json.loads(out.strip().splitlines()[-1])
-    assert report["agreement"] == 100.0 and report["head_valid_accuracy"] == report["valid_accuracy"], out
-
     save = tmp_path / "imdb"
-    run([SCRIPTS / "finetune.sh", *cpu, "--data", data / "IMDB-bin", "--save-dir", save, "imdb", probed]
-        + ["optimization.max_update=2", "lr_scheduler.warmup_updates=1", "task.truncation_head_tokens=16"]
-        + ["model.freeze_compress=1", "++task.log_parameter_groups=true", "common.log_interval=1"],
-        cwd=tmp_path)  # fmt: skip
+    finetune = [SCRIPTS / "finetune.sh", *cpu, "--lp-ft", "mean", "--data", data / "IMDB-bin", "--save-dir", save]
+    finetune += ["imdb", tmp_path / "pretrain/checkpoint_last.pt", "lr_scheduler.warmup_updates=1"]
+    finetune += ["task.truncation_head_tokens=16", "model.freeze_compress=1", "++task.log_parameter_groups=true"]
+    finetune += ["common.log_interval=1"]
+    out = run([*finetune, "optimization.max_update=2"], cwd=tmp_path).stdout
+    report = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    assert report["agreement"] == 100.0 and report["head_valid_accuracy"] == report["valid_accuracy"], out
+    assert report["truncation"] == "head_tail" and report["pooler_tokens"] == "mean", report
+    probed = save / "probed.pt"
+    assert not probed.with_name("probed.pt.partial").exists()
     log = (save / "hydra_train.log").read_text()
     assert "deleting classification head" not in log
+    assert f"Loaded checkpoint {probed}" in log
     start = torch.load(probed, map_location="cpu", weights_only=True)["model"]
     finetuned = torch.load(save / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     assert finetuned["cfg"]["model"]["pooler_tokens"] == "mean"
@@ -98,3 +142,9 @@ def test_a_probe_head_round_trips_into_finetune_sh_and_a_frozen_group_stays(data
                            end["encoder.sentence_encoder.layers.0.self_attn.q_proj.weight"])  # fmt: skip
     steps = list(records(save / "hydra_train.log", "train_inner"))
     assert steps and all("gshare_head" in s and "gshare_projections" not in s for s in steps), steps
+
+    fitted = probed.stat().st_mtime_ns
+    out = run([*finetune, "optimization.max_update=3"], cwd=tmp_path).stdout
+    assert "lp-ft:" not in out and f"resume: from {save}/checkpoint_last.pt" in out, out
+    assert probed.stat().st_mtime_ns == fitted
+    assert [int(s["num_updates"]) for s in records(save / "hydra_train.log", "train_inner")] == [1, 2, 3]

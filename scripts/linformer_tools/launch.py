@@ -3,8 +3,8 @@ work out before fairseq starts, in one process: each Python that imports fairseq
 on it, so a launch plans in one and trains in another.
 
   python -m linformer_tools.launch plan CONFIG_DIR CONFIG [OVERRIDE ...] --world-size W
-         --save-dir DIR [--from CHECKPOINT [--blocks-of-model-length]] [--batch-size B]
-         [--global-batch G] [--dry-run]
+         --save-dir DIR [--from CHECKPOINT [--blocks-of-model-length] [--lp-ft POOLING --probed PATH]]
+         [--batch-size B] [--global-batch G] [--dry-run]
 
 prints one "KEY VALUE" line each:
   resume PATH      the checkpoint a relaunch resumes from: DIR/checkpoint_last.pt if it loads,
@@ -17,7 +17,11 @@ prints one "KEY VALUE" line each:
   batch B U G      per-GPU batch, update_freq and global batch that keep the config's global
                    batch (dataset.batch_size x update_freq x distributed_world_size, e.g.
                    16 x 2 x 64 = 2048 for pretraining) at W GPUs
-  note TEXT        what dataset.max_tokens leaves of that batch
+  note TEXT        what dataset.max_tokens leaves of that batch; max_update from max_epoch (a
+                   config that leaves max_update 0: its override lines follow)
+  probe T H        --lp-ft: PATH (the checkpoint with a probe's head that training starts from,
+                   in place of CHECKPOINT's weights) is still to be fitted, reading documents as
+                   the run does: truncation T, head_tail's head tokens H
 """
 
 import argparse
@@ -97,8 +101,36 @@ def batch_plan(args, overrides):
             f"--batch-size whose product divides {global_batch}"
         )
     lines = [f"batch {batch} {global_batch // per_step} {global_batch}"]
-    note = token_cap_note(cfg, batch, global_batch)
-    return lines + [f"note {note}"] if note else lines
+    schedule_note, schedule = epoch_schedule(cfg, global_batch, args.dry_run)
+    notes = [note for note in (token_cap_note(cfg, batch, global_batch), schedule_note) if note]
+    return lines + [f"note {note}" for note in notes] + [f"override {o}" for o in schedule]
+
+
+WARMUP_SHARE = 0.06  # RoBERTa's finetuning recipe (imdb.yaml: 469 of 7,812 updates)
+
+
+def epoch_schedule(cfg, global_batch, dry_run):
+    """A config that gives max_epoch and leaves max_update 0 (configs/finetuning/long_documents.yaml,
+    for data of any size) gets polynomial_decay's end from its data: max_epoch x the training
+    inputs / the global batch, and 6% of it as warmup unless it sets one; as "override" lines and
+    a note. A step of fewer inputs than the batch (dataset.max_tokens) makes epochs longer."""
+    opt = cfg.optimization
+    if opt.max_update or not opt.max_epoch or cfg.lr_scheduler.get("_name") != "polynomial_decay":
+        return "", []
+    train = Path(str(cfg.task.data)) / "input0" / "train"
+    if not train.with_suffix(".idx").is_file():
+        if dry_run:
+            return f"max_update: {opt.max_epoch} epochs of {train}'s inputs, counted when it exists", []
+        fail(f"{train}.idx does not exist: max_update (0 in the config) comes from the training inputs")
+    from fairseq.data import data_utils
+
+    inputs = len(data_utils.load_indexed_dataset(str(train), None))
+    per_epoch = -(-inputs // global_batch)
+    total = per_epoch * opt.max_epoch
+    warmup = cfg.lr_scheduler.warmup_updates or max(1, round(WARMUP_SHARE * total))
+    note = f"max_update: {opt.max_epoch} epochs x {per_epoch} updates ({inputs} training inputs / {global_batch})"
+    note += f" = {total}, warmup {warmup}"
+    return note, [f"optimization.max_update={total}", f"lr_scheduler.warmup_updates={warmup}"]
 
 
 def token_cap_note(cfg, batch, global_batch):
@@ -134,8 +166,9 @@ def hydra_value(value) -> str:
     return f"'{text}'"
 
 
-def model_overrides(checkpoint: Path):
-    """(the overrides that rebuild CHECKPOINT's model, the model's max_positions)."""
+def model_overrides(checkpoint: Path, pooler_tokens=None):
+    """(the overrides that rebuild CHECKPOINT's model, the model's max_positions); with
+    POOLER_TOKENS, its classification head reads those states (--lp-ft's probe)."""
     import torch
     from fairseq.models import ARCH_MODEL_NAME_REGISTRY, MODEL_DATACLASS_REGISTRY, MODEL_REGISTRY
 
@@ -156,6 +189,11 @@ def model_overrides(checkpoint: Path):
         MODEL_REGISTRY[name].add_args(parser)
         keys = {action.dest for action in parser._actions}
     kept = sorted((keys - FINETUNING_CHOICES - {"_name"}) & set(fields))
+    if pooler_tokens == "mean" and "pooler_tokens" not in keys:
+        fail(f"{checkpoint}: its model ({name}) reads <s> only; a head on the mean needs linformer_roberta "
+             "or roberta_imported")  # fmt: skip
+    if pooler_tokens and "pooler_tokens" in keys:
+        fields, kept = dict(fields, pooler_tokens=pooler_tokens), sorted(set(kept) | {"pooler_tokens"})
     overrides = [f"++model._name={hydra_value(name)}"] + [f"++model.{key}={hydra_value(fields[key])}" for key in kept]
     return overrides, fields.get("max_positions")
 
@@ -245,8 +283,8 @@ def plan(args):
     lines += [f"resume_note {note}"] if note else []
     derived = []
     if args.start:
-        derived, length = model_overrides(args.start)
-        derived += start_overrides(args.start, args.save_dir, resume)
+        derived, length = model_overrides(args.start, args.lp_ft)
+        derived += start_overrides(args.probed or args.start, args.save_dir, resume)
         if args.blocks_of_model_length:
             if not length:
                 fail(f"{args.start}: its model has no max_positions to take the blocks' length from")
@@ -255,6 +293,9 @@ def plan(args):
         derived = [f"checkpoint.restore_file={hydra_value(str(resume))}"]
     overrides = derived + args.overrides
     lines += [f"override {o}" for o in overrides] + batch_plan(args, overrides)
+    if args.lp_ft and not resume and not args.probed.is_file():
+        task = compose(args.config_dir, args.config, overrides).task
+        lines.append(f"probe {task.get('truncation') or 'none'} {task.get('truncation_head_tokens') or 128}")
     print("\n".join(lines))
 
 
@@ -269,10 +310,15 @@ def main():
     b.add_argument("--save-dir", type=Path, required=True, help="the run's folder (resumes from its checkpoints)")
     b.add_argument("--from", dest="start", type=Path, help="a checkpoint: its model, and its weights to start from")
     b.add_argument("--blocks-of-model-length", action="store_true", help="pretrain on blocks of --from's max_positions")
+    b.add_argument("--lp-ft", choices=["first", "mean"], help="start from --probed, CHECKPOINT with a probe's head "
+                   "on these states (scripts/probe_head.py; the model reads them too)")  # fmt: skip
+    b.add_argument("--probed", type=Path, help="--lp-ft: where the probed checkpoint is (or is to be written)")
     b.add_argument("--batch-size", type=int, help="sequences per GPU per step (default: the config's)")
     b.add_argument("--global-batch", type=int, help="sequences per update (default: the config's)")
     b.add_argument("--dry-run", action="store_true", help="change nothing in --save-dir")
     args = p.parse_args()
+    if bool(args.lp_ft) != bool(args.probed) or (args.lp_ft and not args.start):
+        p.error("--lp-ft and --probed go together, with --from")
     for flag in ("world_size", "batch_size", "global_batch"):
         value = getattr(args, flag, None)
         if value is not None and value < 1:

@@ -89,26 +89,29 @@ def test_lp_ft_plans_training_from_the_probe(pooler, tmp_path):
 
 def test_long_documents_config_takes_its_schedule_from_the_data(tmp_path, wikitext_bin):
     """configs/finetuning/long_documents.yaml leaves max_update 0: the launcher ends the schedule
-    after its 2 epochs of the data-bin's 320 training inputs in updates of 8, warmup 6%."""
+    after its 2 epochs of the data-bin's 320 training inputs in updates of 8, warmup 6%; it freezes
+    the projections whatever the checkpoint was trained with."""
     sst2, checkpoint = build_sst2_bin(tmp_path / "bin", wikitext_bin), tmp_path / "model.pt"
-    torch.save({"cfg": {"model": {"_name": "linformer_roberta", "max_positions": 2048}}}, checkpoint)
+    model = {"_name": "linformer_roberta", "max_positions": 2048, "freeze_compress": 0}
+    torch.save({"cfg": {"model": model}}, checkpoint)
     cmd = [SCRIPTS / "finetune.sh", "--dry-run", "--cpu", "--lp-ft", "mean", "--data", sst2, "long_documents"]
     cmd.append(checkpoint)
     out = subprocess.run([str(c) for c in cmd], env=ENV, capture_output=True, text=True).stdout
     assert "max_update: 2 epochs x 40 updates (320 training inputs / 8) = 80, warmup 5" in out, out
     assert "optimization.max_update=80 lr_scheduler.warmup_updates=5" in out and "global batch 8" in out, out
     assert "--truncation head_tail --truncation-head-tokens 128" in out, out
+    assert "freeze_compress" not in out  # the config's choice, not the checkpoint's (0)
     missing = subprocess.run([str(c) for c in cmd[:3] + ["--data", tmp_path / "none", *cmd[7:]]], env=ENV,
                              capture_output=True, text=True)  # fmt: skip
     assert "max_update: 2 epochs of" in missing.stdout and "counted when it exists" in missing.stdout, missing.stdout
 
 
 @pytest.mark.slow
-def test_lp_ft_round_trips_into_finetune_sh_and_a_frozen_group_stays(data, tmp_path):  # noqa: F811
-    """finetune.sh --lp-ft mean fits the probe (of the mean of the final states) and writes it as a
-    head that predicts as the probe; training starts from that head (not a fresh one) and keeps the
-    mean; with model.freeze_compress=1 the projections leave finetuning bit for bit while the
-    attention and the head move; a relaunch resumes without fitting the probe again."""
+def test_lp_ft_long_documents_round_trip_keeps_the_frozen_projections(data, tmp_path):  # noqa: F811
+    """finetune.sh --lp-ft mean long_documents fits the probe (of the mean of the final states) and
+    writes it as a head that predicts as the probe; training starts from that head (not a fresh one)
+    and keeps the mean; the config freezes the projections, which leave finetuning bit for bit while
+    the attention and the head move; a relaunch resumes without fitting the probe again."""
     tiny = ["model.encoder_layers=2", "model.encoder_embed_dim=32", "model.encoder_ffn_embed_dim=64"]
     tiny += ["model.encoder_attention_heads=2", "common.log_interval=1", "dataset.num_workers=0"]
     cpu = ["--cpu", "--batch-size", "8", "--global-batch", "8"]
@@ -116,8 +119,8 @@ def test_lp_ft_round_trips_into_finetune_sh_and_a_frozen_group_stays(data, tmp_p
         + ["task.tokens_per_sample=64", "model.compressed_dim=16", "optimization.max_update=4"])  # fmt: skip
     save = tmp_path / "imdb"
     finetune = [SCRIPTS / "finetune.sh", *cpu, "--lp-ft", "mean", "--data", data / "IMDB-bin", "--save-dir", save]
-    finetune += ["imdb", tmp_path / "pretrain/checkpoint_last.pt", "lr_scheduler.warmup_updates=1"]
-    finetune += ["task.truncation_head_tokens=16", "model.freeze_compress=1", "++task.log_parameter_groups=true"]
+    finetune += ["long_documents", tmp_path / "pretrain/checkpoint_last.pt", "lr_scheduler.warmup_updates=1"]
+    finetune += ["task.truncation_head_tokens=16", "++task.log_parameter_groups=true"]
     finetune += ["common.log_interval=1"]
     out = run([*finetune, "optimization.max_update=2"], cwd=tmp_path).stdout
     report = json.loads(next(line for line in out.splitlines() if line.startswith("{")))

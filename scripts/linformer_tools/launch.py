@@ -54,6 +54,7 @@ FINETUNING_CHOICES = {
     "offload_activations",
     "min_params_to_wrap",
     "compress_resample_prob",
+    "freeze_compress",
 }
 
 

@@ -86,9 +86,9 @@ def compose(config_dir: Path, name: str, overrides, return_hydra_config=False):
         fail(f"{config_dir / name}.yaml with overrides {' '.join(overrides)}: {e}")
 
 
-def batch_plan(args, overrides):
-    """The "batch" line, and a "note" line if dataset.max_tokens caps the batch."""
-    cfg = compose(args.config_dir, args.config, overrides)
+def batch_plan(args, cfg):
+    """The "batch" line of the composed CFG, "note" lines (what dataset.max_tokens leaves of the
+    batch; max_update from max_epoch) and the "override" lines of that schedule."""
     batch, update_freq = cfg.dataset.batch_size, list(cfg.optimization.update_freq)
     if batch is None or len(update_freq) != 1:
         fail(f"{args.config}: needs dataset.batch_size and a single optimization.update_freq")
@@ -293,10 +293,10 @@ def plan(args):
     elif resume and resume != args.save_dir / "checkpoint_last.pt":  # fairseq's default is the last
         derived = [f"checkpoint.restore_file={hydra_value(str(resume))}"]
     overrides = derived + args.overrides
-    lines += [f"override {o}" for o in overrides] + batch_plan(args, overrides)
+    cfg = compose(args.config_dir, args.config, overrides)
+    lines += [f"override {o}" for o in overrides] + batch_plan(args, cfg)
     if args.lp_ft and not resume and not args.probed.is_file():
-        task = compose(args.config_dir, args.config, overrides).task
-        lines.append(f"probe {task.get('truncation') or 'none'} {task.get('truncation_head_tokens') or 128}")
+        lines.append(f"probe {cfg.task.get('truncation') or 'none'} {cfg.task.get('truncation_head_tokens') or 128}")
     print("\n".join(lines))
 
 

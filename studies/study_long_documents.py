@@ -72,7 +72,7 @@ def build_parser():
            "each of fewer reviews; the cost is measured on one step (default: 4096)")  # fmt: skip
     a("--lr", type=float, default=1e-4, help="finetuning peak lr (default: 1e-4)")
     a("--finetune-overrides", nargs="+", default=[], metavar="OVERRIDE",
-      help="hydra overrides added to every finetuning (scripts/finetune.sh), e.g. model.freeze_compress=1 "
+      help="hydra overrides added to every finetuning (scripts/finetune.sh), e.g. ++model.freeze_compress=1 "
            "++task.log_parameter_groups=true; give each set its own --out")  # fmt: skip
     a("--lp-ft", action="store_true",
       help="finetune from the head of a linear probe of the frozen model (scripts/probe_head.py: LP-FT), "

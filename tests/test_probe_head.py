@@ -40,6 +40,27 @@ def test_the_probe_reads_a_linear_label_and_not_a_shuffled_one():
     assert fit_linear_probe(features, reversed_valid, penalties=(1e-3, 1e3)).penalty == 1e3
 
 
+def test_a_feature_that_does_not_vary_is_neither_weighed_nor_amplified():
+    """A dimension whose values differ across documents only by rounding noise (all-MiniLM-L6-v2 has
+    three) gets no weight from the probe, and the head's dense layer amplifies it no more than 100
+    times a typical feature: finetuning that moves it by 1e-3 moves the logits by less than 0.01."""
+    g = torch.Generator().manual_seed(2)
+    features, labels = linear_task(g, {"train": 300, "valid": 100}, dim=16)
+    dead = {split: torch.cat([f, 1e-7 * torch.randn(len(f), 1, generator=g)], 1) for split, f in features.items()}
+    probe = fit_linear_probe(dead, labels)
+    assert probe.weight[-1].abs().max() < 1e-3 * probe.weight[:-1].abs().max(), probe.weight[-1]
+    weights = head_weights(probe, "tanh")
+    gains = weights["dense.weight"].diagonal()
+    assert gains[-1] <= 100.01 * gains.median(), (gains[-1], gains.median())
+    head = RobertaClassificationHead(17, 17, 2, "tanh", 0.0).eval()
+    head.load_state_dict(weights)
+    moved = dead["valid"].clone()
+    moved[:, -1] += 1e-3
+    with torch.no_grad():
+        shift = head(moved.unsqueeze(1)) - head(dead["valid"].unsqueeze(1))
+    assert shift.abs().max() < 0.01, shift.abs().max()
+
+
 @pytest.mark.parametrize("activation", ["tanh", "linear"])
 def test_the_head_computes_the_probe(activation):
     """fairseq's head (dense, activation, out_proj) loaded with head_weights gives the probe's

@@ -16,6 +16,12 @@ PENALTIES = (1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
 # finetuning starts in tanh's linear range, where the head's gradients are undamped
 TANH_SLOPE = 0.05
 ACTIVATIONS = ("tanh", "linear")  # the head activations under which a head can compute a linear probe
+# A feature whose spread across documents is under this share of the median feature's is scaled as if
+# it had that spread. all-MiniLM-L6-v2's final states have three dimensions of spread 1e-7 (against
+# 0.05): standardized by it, their rounding noise became features the probe weighed, and the head's
+# dense layer multiplied them by 1e5-1e6, so finetuning's first updates swung the logits (gradient norms
+# of 1e3-1e4) and undid the probe.
+MIN_RELATIVE_SCALE = 1e-2
 
 
 class Probe(NamedTuple):
@@ -38,7 +44,8 @@ def fit_linear_probe(features, labels, penalties=PENALTIES) -> Probe:
     best on the validation split is kept. features, labels: ``N x C`` and ``N`` (class indices)
     of the splits ``train`` and ``valid``."""
     mean = features["train"].double().mean(0)
-    scale = features["train"].double().std(0).clamp(min=1e-8)
+    spread = features["train"].double().std(0)
+    scale = spread.clamp(min=MIN_RELATIVE_SCALE * spread.median().item() + 1e-12)
     x = {split: (features[split].double() - mean) / scale for split in ("train", "valid")}
     classes = int(labels["train"].max()) + 1
     best = None

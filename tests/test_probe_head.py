@@ -127,6 +127,22 @@ def test_long_documents_config_takes_its_schedule_from_the_data(tmp_path, wikite
     assert "max_update: 2 epochs of" in missing.stdout and "counted when it exists" in missing.stdout, missing.stdout
 
 
+def test_a_finetuning_choice_is_set_whether_or_not_the_config_sets_it(tmp_path):
+    """model.freeze_compress=X reaches the run with imdb.yaml, which leaves the choice unset (where
+    hydra refuses a plain override), and with long_documents.yaml, which sets it; a key that is not
+    a choice goes to hydra as written, a misspelt one failing there."""
+    checkpoint = tmp_path / "model.pt"
+    torch.save({"cfg": {"model": {"_name": "linformer_roberta", "max_positions": 2048}}}, checkpoint)
+    cmd = [str(c) for c in [SCRIPTS / "finetune.sh", "--dry-run", "--cpu", "--save-dir", tmp_path / "save"]]
+    plan = lambda *extra: subprocess.run([*cmd, *extra], env=ENV, capture_output=True, text=True)  # noqa: E731
+    for config, value in [("imdb", 1), ("long_documents", 0)]:
+        out = plan(config, checkpoint, f"model.freeze_compress={value}", "model.pooler_dropout=0.2")
+        assert out.returncode == 0, out.stderr
+        assert f"++model.freeze_compress={value}" in out.stdout and "++model.pooler_dropout=0.2" in out.stdout
+    misspelt = plan("imdb", checkpoint, "model.freez_compress=1")
+    assert misspelt.returncode != 0 and "freez_compress" in misspelt.stderr, misspelt.stderr
+
+
 @pytest.mark.slow
 def test_lp_ft_long_documents_round_trip_keeps_the_frozen_projections(data, tmp_path):  # noqa: F811
     """finetune.sh --lp-ft mean long_documents fits the probe (of the mean of the final states) and

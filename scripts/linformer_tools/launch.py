@@ -272,11 +272,20 @@ def start_overrides(start: Path, save_dir: Path, resume):
     return [f"checkpoint.restore_file={restore}"] + [f"checkpoint.reset_{k}=false" for k in keep]
 
 
+def choice_override(override: str) -> str:
+    """model.freeze_compress=1 as ++model.freeze_compress=1: a finetuning choice is set in some
+    configs and absent from others (not copied from the checkpoint), where hydra refuses a plain
+    override of it."""
+    key = override.split("=", 1)[0]
+    return f"++{override}" if key.startswith("model.") and key[len("model.") :] in FINETUNING_CHOICES else override
+
+
 def plan(args):
     for override in args.overrides:
         key = override.lstrip("+~").split("=", 1)[0]
         if key in LAUNCHER_KEYS:
             fail(f"set {key} with the launcher's {LAUNCHER_KEYS[key]}, not as an override")
+    args.overrides = [choice_override(o) for o in args.overrides]
     config_file(args.config_dir, args.config)  # bad input fails before fairseq's seconds of import
     import_plugin()  # the models' registry and the safe loader
     resume, note = resume_point(args.save_dir, args.dry_run)

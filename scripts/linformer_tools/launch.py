@@ -285,7 +285,6 @@ def plan(args):
         key = override.lstrip("+~").split("=", 1)[0]
         if key in LAUNCHER_KEYS:
             fail(f"set {key} with the launcher's {LAUNCHER_KEYS[key]}, not as an override")
-    args.overrides = [choice_override(o) for o in args.overrides]
     config_file(args.config_dir, args.config)  # bad input fails before fairseq's seconds of import
     import_plugin()  # the models' registry and the safe loader
     resume, note = resume_point(args.save_dir, args.dry_run)
@@ -301,7 +300,7 @@ def plan(args):
             derived += block_overrides(args.config_dir, args.config, length)
     elif resume and resume != args.save_dir / "checkpoint_last.pt":  # fairseq's default is the last
         derived = [f"checkpoint.restore_file={hydra_value(str(resume))}"]
-    overrides = derived + args.overrides
+    overrides = derived + [choice_override(o) for o in args.overrides]
     cfg = compose(args.config_dir, args.config, overrides)
     lines += [f"override {o}" for o in overrides] + batch_plan(args, cfg)
     if args.lp_ft and not resume and not args.probed.is_file():

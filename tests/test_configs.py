@@ -141,6 +141,7 @@ def test_finetuning_config_builds_its_model(name, data):
         assert cfg.dataset.max_tokens == cfg.dataset.batch_size * 4096 and cfg.optimization.max_epoch == 2
         assert cfg.optimization.max_update == 0 and cfg.optimization.lr == [1e-4]
         assert cfg.model.freeze_compress == 1  # the recipe finetunes with E/F as pretrained
+    assert cfg.model.pooler_tokens == ("mean" if name == "long_documents" else "first")
     model = build(cfg)
     assert all(
         isinstance(layer.self_attn, LinformerMultiheadAttention) for layer in model.encoder.sentence_encoder.layers

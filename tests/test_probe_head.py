@@ -111,20 +111,28 @@ def test_lp_ft_plans_training_from_the_probe(pooler, tmp_path):
 def test_long_documents_config_takes_its_schedule_from_the_data(tmp_path, wikitext_bin):
     """configs/finetuning/long_documents.yaml leaves max_update 0: the launcher ends the schedule
     after its 2 epochs of the data-bin's 320 training inputs in updates of 8, warmup 6%; it freezes
-    the projections whatever the checkpoint was trained with."""
+    the projections and reads the mean whatever the checkpoint was trained with; a model whose head
+    reads <s> only is refused unless the command line says first."""
     sst2, checkpoint = build_sst2_bin(tmp_path / "bin", wikitext_bin), tmp_path / "model.pt"
-    model = {"_name": "linformer_roberta", "max_positions": 2048, "freeze_compress": 0}
+    model = {"_name": "linformer_roberta", "max_positions": 2048, "freeze_compress": 0, "pooler_tokens": "first"}
     torch.save({"cfg": {"model": model}}, checkpoint)
-    cmd = [SCRIPTS / "finetune.sh", "--dry-run", "--cpu", "--lp-ft", "mean", "--data", sst2, "long_documents"]
-    cmd.append(checkpoint)
-    out = subprocess.run([str(c) for c in cmd], env=ENV, capture_output=True, text=True).stdout
+    cmd = [str(c) for c in (SCRIPTS / "finetune.sh", "--dry-run", "--cpu", "--data", sst2, "long_documents")]
+    cmd.append(str(checkpoint))
+    plan = lambda *extra: subprocess.run([*cmd, *extra], env=ENV, capture_output=True, text=True)  # noqa: E731
+    out = plan().stdout
     assert "max_update: 2 epochs x 40 updates (320 training inputs / 8) = 80, warmup 5" in out, out
     assert "optimization.max_update=80 lr_scheduler.warmup_updates=5" in out and "global batch 8" in out, out
-    assert "--truncation head_tail --truncation-head-tokens 128" in out, out
-    assert "freeze_compress" not in out  # the config's choice, not the checkpoint's (0)
-    missing = subprocess.run([str(c) for c in cmd[:3] + ["--data", tmp_path / "none", *cmd[7:]]], env=ENV,
+    assert "freeze_compress" not in out and "pooler_tokens" not in out  # the config's choices, not the checkpoint's
+    lp_ft = subprocess.run([*cmd[:3], "--lp-ft", "mean", *cmd[3:]], env=ENV, capture_output=True, text=True).stdout
+    assert "--truncation head_tail --truncation-head-tokens 128" in lp_ft and "pooler_tokens=\\'mean\\'" in lp_ft, lp_ft
+    missing = subprocess.run([*cmd[:3], "--data", str(tmp_path / "none"), *cmd[5:]], env=ENV,
                              capture_output=True, text=True)  # fmt: skip
     assert "max_update: 2 epochs of" in missing.stdout and "counted when it exists" in missing.stdout, missing.stdout
+    torch.save({"cfg": {"model": {"_name": "roberta", "max_positions": 2048}}}, checkpoint)
+    refused = plan()
+    assert refused.returncode != 0 and "its model (roberta) reads <s> only" in refused.stderr, refused.stderr
+    assert "long_documents.yaml; model.pooler_tokens=first overrides it" in refused.stderr, refused.stderr
+    assert plan("model.pooler_tokens=first").returncode == 0
 
 
 def test_a_finetuning_choice_is_set_whether_or_not_the_config_sets_it(tmp_path):

@@ -55,6 +55,7 @@ FINETUNING_CHOICES = {
     "min_params_to_wrap",
     "compress_resample_prob",
     "freeze_compress",
+    "pooler_tokens",
 }
 
 
@@ -168,8 +169,9 @@ def hydra_value(value) -> str:
 
 
 def model_overrides(checkpoint: Path, pooler_tokens=None):
-    """(the overrides that rebuild CHECKPOINT's model, the model's max_positions); with
-    POOLER_TOKENS, its classification head reads those states (--lp-ft's probe)."""
+    """(the overrides that rebuild CHECKPOINT's model, the model's max_positions, the model's name
+    if its head reads <s> only); with POOLER_TOKENS, its classification head reads those states
+    (--lp-ft's probe)."""
     import torch
     from fairseq.models import ARCH_MODEL_NAME_REGISTRY, MODEL_DATACLASS_REGISTRY, MODEL_REGISTRY
 
@@ -190,13 +192,10 @@ def model_overrides(checkpoint: Path, pooler_tokens=None):
         MODEL_REGISTRY[name].add_args(parser)
         keys = {action.dest for action in parser._actions}
     kept = sorted((keys - FINETUNING_CHOICES - {"_name"}) & set(fields))
-    if pooler_tokens == "mean" and "pooler_tokens" not in keys:
-        fail(f"{checkpoint}: its model ({name}) reads <s> only; a head on the mean needs linformer_roberta "
-             "or roberta_imported")  # fmt: skip
     if pooler_tokens and "pooler_tokens" in keys:
         fields, kept = dict(fields, pooler_tokens=pooler_tokens), sorted(set(kept) | {"pooler_tokens"})
     overrides = [f"++model._name={hydra_value(name)}"] + [f"++model.{key}={hydra_value(fields[key])}" for key in kept]
-    return overrides, fields.get("max_positions")
+    return overrides, fields.get("max_positions"), None if "pooler_tokens" in keys else name
 
 
 def block_overrides(config_dir: Path, config: str, length):
@@ -290,9 +289,9 @@ def plan(args):
     resume, note = resume_point(args.save_dir, args.dry_run)
     lines = [f"resume {resume}"] if resume else []
     lines += [f"resume_note {note}"] if note else []
-    derived = []
+    derived, first_only = [], None
     if args.start:
-        derived, length = model_overrides(args.start, args.lp_ft)
+        derived, length, first_only = model_overrides(args.start, args.lp_ft)
         derived += start_overrides(args.probed or args.start, args.save_dir, resume)
         if args.blocks_of_model_length:
             if not length:
@@ -302,6 +301,10 @@ def plan(args):
         derived = [f"checkpoint.restore_file={hydra_value(str(resume))}"]
     overrides = derived + [choice_override(o) for o in args.overrides]
     cfg = compose(args.config_dir, args.config, overrides)
+    if first_only and "mean" in (args.lp_ft, cfg.model.get("pooler_tokens")):
+        asks = "--lp-ft mean" if args.lp_ft == "mean" else f"{args.config}.yaml; model.pooler_tokens=first overrides it"
+        fail(f"{args.start}: its model ({first_only}) reads <s> only; a head on the mean ({asks}) needs "
+             "linformer_roberta or roberta_imported")  # fmt: skip
     lines += [f"override {o}" for o in overrides] + batch_plan(args, cfg)
     if args.lp_ft and not resume and not args.probed.is_file():
         lines.append(f"probe {cfg.task.get('truncation') or 'none'} {cfg.task.get('truncation_head_tokens') or 128}")

@@ -131,7 +131,7 @@ def test_long_documents_config_takes_its_schedule_from_the_data(tmp_path, wikite
     torch.save({"cfg": {"model": {"_name": "roberta", "max_positions": 2048}}}, checkpoint)
     refused = plan()
     assert refused.returncode != 0 and "its model (roberta) reads <s> only" in refused.stderr, refused.stderr
-    assert "long_documents.yaml; model.pooler_tokens=first overrides it" in refused.stderr, refused.stderr
+    assert "(pooler_tokens: mean; model.pooler_tokens=first overrides it)" in refused.stderr, refused.stderr
     assert plan("model.pooler_tokens=first").returncode == 0
 
 

@@ -302,7 +302,7 @@ def plan(args):
     overrides = derived + [choice_override(o) for o in args.overrides]
     cfg = compose(args.config_dir, args.config, overrides)
     if first_only and "mean" in (args.lp_ft, cfg.model.get("pooler_tokens")):
-        asks = "--lp-ft mean" if args.lp_ft == "mean" else f"{args.config}.yaml; model.pooler_tokens=first overrides it"
+        asks = "--lp-ft mean" if args.lp_ft == "mean" else "pooler_tokens: mean; model.pooler_tokens=first overrides it"
         fail(f"{args.start}: its model ({first_only}) reads <s> only; a head on the mean ({asks}) needs "
              "linformer_roberta or roberta_imported")  # fmt: skip
     lines += [f"override {o}" for o in overrides] + batch_plan(args, cfg)

@@ -9,7 +9,11 @@ figures: docs/benchmarks.md.
 configs/pretraining/CONFIG.yaml as the launchers build it: masked_lm, the config's optimizer and schedule,
 --dtype fp16 / bf16 through fairseq's FP16Optimizer) against the model's bare training step on the same batch,
 counts with torch.profiler where the difference goes (host syncs, copies, optimizer, CPU time), and ends with
-"update/step speed: R" (bare step ms / update ms; 1.0: no overhead). Writes update.json to --out-dir. E.g.
+"update/step speed: R" (bare step ms / update ms; 1.0: no overhead); on a GPU of linformer_tools/mfu.py's table
+each also with its model FLOPs utilization (matmul FLOPs from the model's shapes over the dense bf16/fp16 peak).
+--pretrain-log CONFIG=LOG adds a table of scripts/pretrain.sh's steady-state updates/s (updates 51 on, from LOG,
+its hydra_train.log, logged every 50 updates) over the update's and the bare step's of the same config and batch
+(use --data with pretrain.sh's data-bin). Writes update.json to --out-dir. E.g.
   benchmark.py --mode update --config roberta_base --batch-size 32 --device cuda --dtype fp16
   benchmark.py --mode update --config linformer_n512_k128_headwise --lengths 128 --encoder-layers 2 --batch-size 8"""
 
@@ -96,12 +100,22 @@ def build_parser():
     update_flags.add_argument(
         "--override", action="append", default=[], metavar="KEY=VALUE", help="a hydra override for every config"
     )
-    update_flags.add_argument("--data", type=Path, help="a data-bin: its train batches (default: synthetic batches)")
+    update_flags.add_argument(
+        "--data", type=Path, help="a data-bin: its train batches in fairseq-train's epoch 1 order (default: synthetic)"
+    )
     update_flags.add_argument("--batches", type=count, default=2, help="distinct batches the timed steps cycle over")
     update_flags.add_argument("--warmup", type=count, default=3, help="untimed updates first (their losses are kept)")
     update_flags.add_argument("--profile-steps", type=count, default=3, help="steps of each kind the profiler counts")
     update_flags.add_argument("--profile-rows", type=count, default=15, help="--profile: rows of each operator table")
     update_flags.add_argument("--vocab-size", type=count, default=VOCAB_SIZE, help="synthetic dictionary's size")
+    update_flags.add_argument(
+        "--pretrain-log",
+        action="append",
+        default=[],
+        metavar="CONFIG=LOG",
+        help="scripts/pretrain.sh's hydra_train.log of CONFIG (common.log_interval=50): its updates/s after update 50 "
+        "beside the update's, with MFU",
+    )
     arg("--dtype", default="fp32", choices=sorted(DTYPES), help="weights and activations")
     arg("--device", default="cpu", choices=["cpu", "cuda"], help="where the models run")
     arg("--threads", type=int, default=0, help="CPU threads per point; 0: torch's choice")
@@ -229,7 +243,7 @@ def run_worker(spec):
 GRID_FLAGS = set(
     "lengths ks ffn_chunk_size local_windows local_count_once baselines".split()
     + "memory_limit_gb timeout out_dir resume worker".split()
-    + "config override data batches warmup profile_steps profile_rows vocab_size".split()  # --mode update's
+    + "config override data batches warmup profile_steps profile_rows vocab_size pretrain_log".split()  # update's
 )
 
 
@@ -261,6 +275,8 @@ def check_update_args(args):
         fail(f"--data {args.data}: not a fairseq data-bin (no dict.txt)")
     if bad := [o for o in args.override if "=" not in o]:
         fail(f"--override takes KEY=VALUE, got {bad}")
+    if bad := [e for e in args.pretrain_log if e.split("=", 1)[0] not in args.config or "=" not in e]:
+        fail(f"--pretrain-log takes CONFIG=LOG for a CONFIG of --config {','.join(args.config)}, got {bad}")
     if (d := args.encoder_embed_dim) and (heads := args.encoder_attention_heads) and d % heads:
         fail(f"--encoder-embed-dim {d} is not divisible by --encoder-attention-heads {heads}")
 

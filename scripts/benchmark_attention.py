@@ -9,11 +9,13 @@ Needs only torch: linformer_fairseq.modules.linformer_attention imports without 
 runs where fairseq is not installed (a GPU node with a bare PyTorch; the repository root on
 PYTHONPATH where the plugin is not pip-installed). The whole model against fairseq's RoBERTa is
 scripts/benchmark.py. Prints a table of milliseconds per step, peak MiB and the ratio to full
-attention (above 1: faster than full attention), and writes it to --out as JSON. docs/benchmarks.md
-gives the figures.
+attention (above 1: faster than full attention), in training on a GPU of linformer_tools/mfu.py's
+table also the model FLOPs utilization (the layer's matmul FLOPs, 3x its forward's, over the dense
+bf16/fp16 peak), and writes it to --out as JSON. docs/benchmarks.md gives the figures.
 """
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -24,10 +26,12 @@ import torch.nn.functional as F
 
 try:
     from linformer_fairseq.modules import linformer_attention as attention
+    from linformer_fairseq.modules import linformer_band as band
 except ModuleNotFoundError as error:  # a bare PyTorch node where the repository is not installed
     if error.name != "linformer_fairseq":
         raise
     sys.exit("error: linformer_fairseq does not import: run from the repository root with PYTHONPATH=.")
+from linformer_tools import mfu  # scripts/, this script's folder, is on sys.path
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -51,7 +55,8 @@ class FullAttention(torch.nn.Module):
 
 
 def models(args, n):
-    yield "full", lambda: FullAttention(args.embed_dim, args.heads)
+    """(name, maker) of each layer at length n; the makers are partials, whose arguments layer_flops reads."""
+    yield "full", functools.partial(FullAttention, args.embed_dim, args.heads)
     for k in (k for k in args.ks if k < n):
         for window in args.local_windows:
             for once in (False, True) if window and args.local_count_once else (False,):
@@ -62,15 +67,24 @@ def models(args, n):
                     )  # fmt: skip
                     name = f"linformer-k{k}" + (f"-w{window}" if window else "") + ("-once" if once else "")
                     name += f"-{kernel}" if window and len(args.local_kernels) > 1 else ""
-                    yield (
-                        name,
-                        lambda s=settings, k=k: attention.LinformerMultiheadAttention(args.embed_dim, args.heads, s, k),
-                    )
+                    make = functools.partial(attention.LinformerMultiheadAttention, args.embed_dim, args.heads)
+                    yield name, functools.partial(make, settings, k)
+
+
+def layer_flops(make, n):
+    """The matmul FLOPs of a training step (forward and backward) of one sequence through the layer ``make``
+    builds: mfu.matmul_flops of one layer without FFN or head, full attention's or the Linformer's at its k,
+    sharing, projection and band."""
+    if make.func is FullAttention:
+        return mfu.matmul_flops(n, make.args[0], 0, 1)
+    d, _, settings, k = make.args  # a partial of a partial: functools flattens the arguments
+    return mfu.matmul_flops(n, d, 0, 1, k, settings.sharing, settings.kind, settings.local_window)
 
 
 def check_gradients(args):
     """Each band kernel against the blockwise band in float64 at one padded batch (n = the first
-    length, k = the first k, W = each band, the recount on): the largest error of the output and of
+    length, k = the first k, W = each band, the recount on, computed from each sentence's length as
+    in a model under ``resample``): the largest error of the output and of
     each gradient over the largest reference value, beside the float64 result rounded to the dtype."""
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     n, B, k, H, D = args.lengths[0], args.batch_sizes[0], args.ks[0], args.heads, args.embed_dim // args.heads
@@ -82,25 +96,33 @@ def check_gradients(args):
     rows_real = torch.ones(B, k, dtype=torch.bool, device=device)
     rows_real[-1, -k // 7 :] = False
     offset = torch.randn(B, H, 1, 1, generator=g, device=device, dtype=torch.float64)
-    share = torch.rand(B, 1, n, k, generator=g, device=device, dtype=torch.float64).log()
+    lengths = key_real.sum(1).double()
+    share = band.CountOnce(lengths, lengths / k, None)  # k rows stretched over each sentence
     weight = torch.randn(B, H, n, D, generator=g, device=device, dtype=torch.float64) * key_real.view(B, 1, n, 1)
 
     def run(kernel, window, as_dtype):
         leaves = [t.detach().to(as_dtype).clone().requires_grad_(True) for t in (q, key, value, k_rows, v_rows, offset)]
         a, b, c, d, e, f = leaves
-        out = kernel(a, b, c, key_real, window // 2, d, e, rows_real, f, 0.0, share.to(as_dtype))
+        wide = torch.promote_types(as_dtype, torch.float32)  # what a model hands its kernel
+        count = band.CountOnce(share.lengths.to(wide), share.width.to(wide), None)
+        out = kernel(a, b, c, key_real, window // 2, d, e, rows_real, f, 0.0, count)
         (out.double() * weight).sum().backward()
         return [out.detach().double() * key_real.view(B, 1, n, 1)] + [t.grad.double() for t in leaves]
 
     names = "output q k v k_rows v_rows offset".split()
     print(f"| W | kernel | {' | '.join(names)} |\n| ---: | --- |" + " ---: |" * len(names))
     for window in (w for w in args.local_windows if w):
-        reference = run(attention.attend_local_and_projected, window, torch.float64)
+        reference = run(band.attend_local_and_projected, window, torch.float64)
         rounded = [(r.to(dtype).double() - r).abs().max() / r.abs().max() for r in reference]
         print(f"| {window} | float64 rounded to {args.dtype} | " + " | ".join(f"{e:.1e}" for e in rounded) + " |")
         for kernel in args.local_kernels:
-            function = attention.BAND_KERNEL_FUNCTIONS.get(kernel, attention.attend_local_and_projected)
             try:
+                function = band.attend_local_and_projected
+                if kernel == "flex":
+                    from linformer_fairseq.modules.linformer_band_flex import (
+                        attend_local_and_projected_flex as function,
+                    )
+
                 errors = [(a - r).abs().max() / r.abs().max() for a, r in zip(run(function, window, dtype), reference)]
                 print(f"| {window} | {kernel} | " + " | ".join(f"{e:.1e}" for e in errors) + " |", flush=True)
             except Exception as error:  # one kernel failing must not hide the others' figures
@@ -188,8 +210,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.batch_sizes = args.batch_sizes or [1] * len(args.lengths)
     args.local_kernels = args.local_kernels.split(",")
-    if bad := [k for k in args.local_kernels if k not in attention.BAND_KERNELS]:
-        p.error(f"--local-kernels: unknown {bad}; expected some of {attention.BAND_KERNELS}")
+    if bad := [k for k in args.local_kernels if k not in band.BAND_KERNELS]:
+        p.error(f"--local-kernels: unknown {bad}; expected some of {band.BAND_KERNELS}")
     if len(args.batch_sizes) != len(args.lengths):
         p.error(f"--batch-sizes has {len(args.batch_sizes)} values for {len(args.lengths)} lengths")
     if min(args.lengths + args.batch_sizes + [args.repeats]) < 1:
@@ -212,7 +234,10 @@ def main(argv=None):
         return check_gradients(args)
     device = torch.device(args.device)
     rows = []
-    print("| n | batch | model | ms a step | peak MiB | vs full |\n| ---: | ---: | --- | ---: | ---: | ---: |")
+    why, peak = mfu.cuda_peak(args.device, args.dtype) if training else (None, None)
+    mfu_column = (" MFU |", " ---: |") if training else ("", "")
+    print(f"| n | batch | model | ms a step | peak MiB | vs full |{mfu_column[0]}")
+    print(f"| ---: | ---: | --- | ---: | ---: | ---: |{mfu_column[1]}")
     for n, batch in zip(args.lengths, args.batch_sizes):
         torch.manual_seed(0)
         x = torch.randn(n, batch, args.embed_dim, device=device, dtype=dtype, requires_grad=training)
@@ -220,15 +245,20 @@ def main(argv=None):
         for name, make in models(args, n):
             layer = make().to(device, dtype).train(training)
             layer.dropout = 0.0  # the same work in every step
-            ms, peak = timed(layer, x, training, args.repeats, args.device)
+            ms, mib = timed(layer, x, training, args.repeats, args.device)
             full_ms = full_ms or ms
-            row = dict(
-                n=n, batch=batch, model=name, ms=round(ms, 3), peak_mib=peak and round(peak), vs_full=full_ms / ms
-            )
+            row = dict(n=n, batch=batch, model=name, ms=round(ms, 3), peak_mib=mib and round(mib), vs_full=full_ms / ms)
+            shown = "-" if mib is None else f"{mib:,.0f}"
+            line = f"| {n:,} | {batch} | {name} | {ms:.3f} | {shown} | {full_ms / ms:.2f}x |"
+            if training:
+                flops = batch * layer_flops(make, n)
+                row |= {"flops": flops, "mfu": mfu.utilization(flops, ms / 1000, peak)}
+                line += f" {mfu.percent(row['mfu'])} |"
             rows.append(row)
-            shown = "-" if peak is None else f"{peak:,.0f}"
-            print(f"| {n:,} | {batch} | {name} | {ms:.3f} | {shown} | {full_ms / ms:.2f}x |", flush=True)
+            print(line, flush=True)
             del layer
+    if training:
+        print(f"MFU: {why}" if peak is None else f"MFU against the {why}", flush=True)
     if args.out:
         setting = {key: value for key, value in vars(args).items() if key != "out"}
         device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"

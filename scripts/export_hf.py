@@ -18,8 +18,9 @@ It holds:
                            classification head (classifier.*, with --head or the checkpoint's only head)
   configuration_linformer.py, modeling_linformer.py
                            the transformers classes (torch and transformers only)
-  linformer_attention.py   the plugin's linformer_fairseq/modules/linformer_attention.py, copied
-                           byte for byte: the exported model runs the attention code the plugin runs
+  linformer_attention.py, linformer_projection.py, linformer_band.py, linformer_band_flex.py
+                           the plugin's attention (linformer_fairseq/modules/), copied byte for
+                           byte: the exported model runs the attention code the plugin runs
   tokenizer.json, tokenizer_config.json
                            with --spm-model: the sentencepiece model (unigram) as a tokenizers
                            Unigram model whose ids are the fairseq dictionary's (<s> <pad> </s> <unk>,
@@ -55,10 +56,12 @@ import torch  # noqa: E402
 
 from linformer_tools.common import PLUGIN_DIR, atomic, fail  # noqa: E402
 
+ATTENTION_FILES = ("linformer_attention.py", "linformer_projection.py", "linformer_band.py", "linformer_band_flex.py")
 CODE_FILES = {  # exported name: the plugin's file
     "configuration_linformer.py": PLUGIN_DIR / "hf" / "configuration_linformer.py",
     "modeling_linformer.py": PLUGIN_DIR / "hf" / "modeling_linformer.py",
-    "linformer_attention.py": PLUGIN_DIR / "modules" / "linformer_attention.py",
+    # the attention and the files it imports (relative imports, which transformers follows in a folder)
+    **{name: PLUGIN_DIR / "modules" / name for name in ATTENTION_FILES},
 }
 AUTO_MAP = {
     "AutoConfig": "configuration_linformer.LinformerConfig",

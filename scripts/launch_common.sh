@@ -19,8 +19,10 @@ COMMON_HELP="  --gpus N            GPUs per node (default: all visible ones)
                       is incomplete, from the newest complete checkpoint in DIR)
   --dry-run           print the plan (world size, ranks, threads, update_freq, paths) and the
                       exact command, run nothing
-  OMP_NUM_THREADS     CPU threads per rank (default: the node's cores / ranks on the node, under
-                      Slurm its --cpus-per-task); a value you export is kept
+  OMP_NUM_THREADS     CPU threads per rank (default: the CPUs of the process that starts the
+                      ranks, split among them: under Slurm its task's --cpus-per-task, else the
+                      cores it may use; at most those cores, at least 1); a value you export
+                      is kept
   -h, --help          this help
   OVERRIDE ...        hydra overrides for fairseq-hydra-train, e.g. optimization.max_update=1000
                       (+run_config=local, model.encoder_layers=2, common.bf16=true, ...)"
@@ -85,25 +87,54 @@ set_world_size() {
     WORLD=$((NODES * GPUS))
 }
 
-# set_threads: OMP_NUM_THREADS, every rank's share of its node's cores, unless the caller set it.
+# set_threads: OMP_NUM_THREADS, each rank's share of the CPUs it runs on, unless the caller set it.
 # Each process's torch (and MKL) otherwise starts one thread per core of the node, so N ranks on a
 # node run N x cores threads for their CPU-side work, which starves the processes that feed the
 # GPUs (fairseq issue #3342: OMP_NUM_THREADS=1 took 8 GPUs from ~30% to 97-100% busy).
+# The share depends on who starts the ranks, which fairseq's init decides as here: under Slurm,
+# more than one task per node means srun starts this script once per rank, and one task per node
+# means this process starts all the node's ranks, which then share the task's CPUs.
 THREADS_NOTE=''
 set_threads() {
-    local cores
+    local cores cpus source shape tasks_per_node=1 ranks=$GPUS
     if [[ -n ${OMP_NUM_THREADS:-} ]]; then
         THREADS_NOTE="OMP_NUM_THREADS=$OMP_NUM_THREADS per rank (yours, kept)"
         return
     fi
-    if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then  # one task per rank: its own cores
-        OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK
-        THREADS_NOTE="OMP_NUM_THREADS=$OMP_NUM_THREADS per rank (Slurm's --cpus-per-task)"
+    # the CPUs this process may run on (its affinity: Slurm's binding, taskset). GNU nproc would
+    # also lower the count to OMP_THREAD_LIMIT, a limit per process, not per node
+    cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+    if [[ -n ${SLURM_CPUS_PER_TASK:-} || -n ${SLURM_CPUS_ON_NODE:-} ]]; then
+        if [[ -n ${SLURM_NTASKS_PER_NODE:-} ]]; then
+            tasks_per_node=$SLURM_NTASKS_PER_NODE
+        elif [[ -n ${SLURM_NTASKS:-} ]]; then
+            tasks_per_node=$((SLURM_NTASKS / ${SLURM_NNODES:-1}))
+        fi
+        if ((tasks_per_node > 1)); then
+            ranks=1 shape="one Slurm task per rank ($tasks_per_node on the node)"
+        else
+            shape="one Slurm task, starting the node's $GPUS rank(s) itself"
+        fi
+        if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then
+            cpus=$SLURM_CPUS_PER_TASK source="its --cpus-per-task $SLURM_CPUS_PER_TASK"
+        elif ((tasks_per_node > 1)); then
+            cpus=$((SLURM_CPUS_ON_NODE / tasks_per_node))
+            source="its $cpus of the node's $SLURM_CPUS_ON_NODE CPUs (SLURM_CPUS_ON_NODE)"
+        else
+            cpus=$SLURM_CPUS_ON_NODE
+            source="the node's $cpus CPUs (SLURM_CPUS_ON_NODE)"
+        fi
     else
-        cores=${SLURM_CPUS_ON_NODE:-$(nproc)}
-        OMP_NUM_THREADS=$((cores / GPUS > 1 ? cores / GPUS : 1))
-        THREADS_NOTE="OMP_NUM_THREADS=$OMP_NUM_THREADS per rank ($cores cores / $GPUS rank(s) on the node; set OMP_NUM_THREADS to choose)"
+        cpus=$cores shape="no Slurm" source="the $cores core(s) this process may use"
     fi
+    # Slurm's counts are what the job asked for: a task that is bound to fewer CPUs (a step started
+    # with a smaller srun -c, an srun that does not pass on --cpus-per-task) runs on those only
+    if ((cpus > cores)); then
+        cpus=$cores source+=" capped at the $cores core(s) this process may use"
+    fi
+    OMP_NUM_THREADS=$((cpus / ranks > 1 ? cpus / ranks : 1))
+    ((ranks == 1)) || source+=" / $ranks rank(s)"
+    THREADS_NOTE="OMP_NUM_THREADS=$OMP_NUM_THREADS per rank ($shape: $source; set OMP_NUM_THREADS to choose)"
     export OMP_NUM_THREADS
 }
 

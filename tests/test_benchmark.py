@@ -1,5 +1,6 @@
 """scripts/benchmark.py: FLOP counts, bad input refused, and a tiny grid end to end (a fresh process per
-point) whose memory figures must show what each model stores and whose tables must agree with its JSON."""
+point) whose memory figures must show what each model stores and whose tables must agree with its JSON;
+the model FLOPs utilization's FLOPs and peaks (linformer_tools.mfu)."""
 
 import csv
 import json
@@ -16,8 +17,8 @@ from conftest import ENV, REPO, SCRIPTS
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 import benchmark as bench
-from linformer_tools import models
-from linformer_tools.benchmark_report import encoder_flops, step_flops
+from linformer_tools import mfu, models
+from linformer_tools.benchmark_report import VOCAB_SIZE, encoder_flops, step_flops
 
 TINY_SPEC = dict(
     mode="training",
@@ -82,6 +83,60 @@ def test_flops_of_base_widths_match_hand_count():
     assert encoder_flops(n, d, f, layers, k, "headwise") == 12 * (13_891_534_848 + 402_653_184)
     # mean pooling: no E matmul at all
     assert encoder_flops(n, d, f, layers, k, "headwise", "mean") == 12 * (13_891_534_848 - 402_653_184)
+
+
+def test_mfu_flops_of_a_tiny_config_match_hand_count():
+    """2 layers x 128 (FFN 512), n = 128, k = 32, V = 1,000, 15% masked: each term counted by hand."""
+    n, d, f, layers, k, vocab = 128, 128, 512, 2, 32, 1000
+    qo, ffn = 4 * 128 * 128**2, 4 * 128 * 128 * 512  # q and out maps 8,388,608; FFN 33,554,432
+    assert (qo, ffn) == (8_388_608, 33_554_432)
+    head = 2 * (0.15 * 128) * (128**2 + 128 * 1000)  # masked-LM head on 19.2 positions: 5,544,345.6
+    # Linformer, headwise: k/v maps on the 32 rows 4kd^2, E and F 2 x 2knd, QK^T + PV against the rows 4nkd,
+    # each 2,097,152
+    linformer_layer = qo + 3 * 2_097_152 + ffn
+    assert linformer_layer == 48_234_496
+    expected = 3 * (2 * linformer_layer + head)
+    assert expected == pytest.approx(306_040_012.8)
+    assert mfu.matmul_flops(n, d, f, layers, k, "headwise", vocab=vocab) == pytest.approx(expected, rel=1e-12)
+    assert mfu.matmul_flops(n, d, f, layers, [k, k], "headwise", vocab=vocab) == pytest.approx(expected, rel=1e-12)
+    # the forward alone; no head (vocab 0)
+    assert mfu.matmul_flops(n, d, f, layers, k, vocab=vocab, training=False) == pytest.approx(expected / 3)
+    assert mfu.matmul_flops(n, d, f, layers, k) == 3 * 2 * linformer_layer
+    # kv and layerwise: one projection, 2knd less
+    assert mfu.matmul_flops(n, d, f, layers, k, "kv") == 3 * 2 * (linformer_layer - 1_048_576)
+    # RoBERTa: q/k/v/out maps 8nd^2 = 16,777,216, QK^T + PV 4n^2 d = 8,388,608
+    roberta_layer = 2 * qo + 8_388_608 + ffn
+    assert mfu.matmul_flops(n, d, f, layers, vocab=vocab) == pytest.approx(3 * (2 * roberta_layer + head))
+    # a band of W = 16: its scores and values 4nWd = 1,048,576 and the positions' own k/v maps 4nd^2 = 8,388,608
+    band = mfu.matmul_flops(n, d, f, layers, k, window=16) - mfu.matmul_flops(n, d, f, layers, k)
+    assert band == 3 * 2 * (1_048_576 + 8_388_608)
+    # the benchmark's training step counts the same (RoBERTa's vocabulary)
+    spec = dict(TINY_SPEC, n=n, k=k, encoder_layers=layers, encoder_embed_dim=d, encoder_ffn_embed_dim=f)
+    assert step_flops(spec) == pytest.approx(mfu.matmul_flops(n, d, f, layers, k, "headwise", vocab=VOCAB_SIZE))
+    # MFU: FLOPs per second over the peak
+    assert mfu.utilization(expected, 1e-6, 989e12) == pytest.approx(expected / 989e6)
+    assert mfu.utilization(expected, 1e-6, None) is None and mfu.percent(0.41234) == "41.2%"
+
+
+@pytest.mark.parametrize(
+    "name, dtype, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989e12),
+        ("NVIDIA H200", "fp16", 989e12),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312e12),
+        ("NVIDIA A100-PCIE-40GB", "fp16", 312e12),
+        ("NVIDIA H100 PCIe", "bf16", None),  # a lower peak, not in the table: no guess
+        ("NVIDIA H200 NVL", "bf16", None),
+        ("NVIDIA H100 80GB HBM3", "fp32", None),
+    ],
+)
+def test_dense_peaks_by_gpu_name(name, dtype, peak):
+    why, found = mfu.dense_peak(name, dtype)
+    assert found == peak
+    unknown = f"unknown GPU: no MFU ({name})"
+    if peak is None:
+        assert why == ("no MFU for fp32: the peaks are bf16/fp16's" if dtype == "fp32" else unknown)
+    assert mfu.cuda_peak("cpu", dtype) == ("no MFU on cpu", None)
 
 
 def cpu_flash_flops(query, key, value, *args, **kwargs):
@@ -311,7 +366,16 @@ def test_attention_benchmark_times_fairseqs_attention_and_each_band(tmp_path, ca
                      (128, "full"), (128, "linformer-k32"), (128, "linformer-k32-w8"),
                      (128, "linformer-k64"), (128, "linformer-k64-w8")]  # fmt: skip
     assert all(r["vs_full"] == 1 for r in rows if r["model"] == "full")
-    assert capsys.readouterr().out.count("| 128 | 1 |") == 5
+    # a training step's matmul FLOPs, 3x the forward: full attention 8nd^2 + 4n^2 d; the Linformer
+    # (headwise) 4nd^2 + 4kd^2 + 2 x 2knd + 4nkd, with a band of 8 also 4nWd + 4nd^2; no MFU on a CPU
+    n, d, k = 128, 32, 64
+    linformer = 4 * n * d * d + 4 * k * d * d + 2 * 2 * k * n * d + 4 * n * k * d
+    flops = {r["model"]: r["flops"] for r in rows if r["n"] == n}
+    assert flops["full"] == 3 * (8 * n * d * d + 4 * n * n * d) and flops["linformer-k64"] == 3 * linformer
+    assert flops["linformer-k64-w8"] == 3 * (linformer + 4 * n * 8 * d + 4 * n * d * d)
+    assert all(r["mfu"] is None for r in rows)
+    out = capsys.readouterr().out
+    assert out.count("| 128 | 1 |") == 5 and "| MFU |" in out and "MFU: no MFU on cpu" in out
     args = layers.parse_args(["--lengths", "64", "--ks", "32", "--local-windows", "0,8", "--local-count-once"])
     built = {name: make() for name, make in layers.models(args, 64)}
     assert list(built) == ["full", "linformer-k32", "linformer-k32-w8", "linformer-k32-w8-once"]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ENV, SCRIPTS, call_main, error_line
+from test_linformer_model import Float64Ops
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local: never ask the Hub
 transformers = pytest.importorskip("transformers")  # the hf extra
@@ -407,10 +408,13 @@ def test_save_pretrained_round_trip_keeps_weights_frozen_projections_and_labels(
     labels.write_text("positive 30\nnegative 20\nneutral 10\n")  # fairseq class i = the i-th entry
     assert call(ckpt, "--out", tmp_path / "hf", "--label-dict", labels, "--no-tokenizer") == 0
     files = sorted(p.name for p in (tmp_path / "hf").iterdir())
-    assert files == ["config.json", "configuration_linformer.py", "linformer_attention.py", "model.safetensors",
-                     "modeling_linformer.py"]  # fmt: skip
-    plugin = SCRIPTS.parent / "linformer_fairseq" / "modules" / "linformer_attention.py"
-    assert (tmp_path / "hf" / "linformer_attention.py").read_bytes() == plugin.read_bytes()
+    attention_files = sorted(p.name for p in (SCRIPTS.parent / "linformer_fairseq" / "modules").glob("linformer_*.py"))
+    attention_files.remove("linformer_encoder.py")  # fairseq's encoder, which the export replaces
+    assert files == sorted(["config.json", "configuration_linformer.py", "model.safetensors", "modeling_linformer.py",
+                            *attention_files])  # fmt: skip
+    for name in attention_files:  # the plugin's attention, every file of it, byte for byte
+        plugin = SCRIPTS.parent / "linformer_fairseq" / "modules" / name
+        assert (tmp_path / "hf" / name).read_bytes() == plugin.read_bytes(), name
 
     model = auto("cls", tmp_path / "hf")
     assert model.config.id2label == {0: "positive", 1: "negative", 2: "neutral"}
@@ -425,6 +429,9 @@ def test_save_pretrained_round_trip_keeps_weights_frozen_projections_and_labels(
     for m in (model, again, base):
         projections = [p for n, p in m.named_parameters() if "compress" in n]
         assert len(projections) == 1 and not projections[0].requires_grad  # one E for every layer, frozen
+    with torch.no_grad(), Float64Ops() as seen:  # the export runs where float64 does not (MPS)
+        model(batch)
+    assert seen.ops == [], seen.ops
     with pytest.raises(ValueError, match="right-padded"):
         model(torch.tensor([[1, 1, 0, 5, 2]]))  # left padding
 

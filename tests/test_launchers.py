@@ -6,6 +6,7 @@ the results table."""
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -154,35 +155,121 @@ def test_sbatch_dry_run_cpu_ranks():
 
 THREADS = re.compile(r"^threads: OMP_NUM_THREADS=(\d+) per rank \((.*)\)$", re.M)
 CORES = len(os.sched_getaffinity(0))  # what nproc counts
+# the batch job of `sbatch --ntasks 1 --gpus 8 --cpus-per-task 80`: one task, whose script starts the ranks
+ONE_TASK = {
+    "SLURM_JOB_ID": "7",
+    "SLURM_NNODES": "1",
+    "SLURM_NTASKS": "1",
+    "SLURM_CPUS_ON_NODE": "80",
+    "SLURM_CPUS_PER_TASK": "80",
+}
+# rank 0's task under scripts/slurm/pretrain.sbatch's srun: 8 nodes x 8 tasks (one a GPU) of 10 CPUs
+PER_RANK = {
+    "SLURM_JOB_ID": "7",
+    "SLURM_NNODES": "8",
+    "SLURM_NTASKS": "64",
+    "SLURM_NTASKS_PER_NODE": "8",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_CPUS_ON_NODE": "80",
+    "SLURM_CPUS_PER_TASK": "10",
+}
+RANK_OF_64 = [PRETRAIN, "--dry-run", "--nodes", "8", "--gpus", "8", "--distributed-port", "20007", CONFIG, "data"]
+NO_CPUS_PER_TASK = {k: v for k, v in PER_RANK.items() if k not in ("SLURM_NTASKS_PER_NODE", "SLURM_CPUS_PER_TASK")}
+NODE_48 = {"SLURM_JOB_ID": "7", "SLURM_NNODES": "1", "SLURM_CPUS_ON_NODE": "48"}  # sbatch --gpus 2, no --ntasks
+ARRAY_ELEMENT = [FINETUNE_SBATCH, "--dry-run", "model.pt"]
+# `sbatch --nodes 1 --ntasks-per-node 2 --gpus-per-node 0 --cpus-per-task 1 pretrain.sbatch --cpu`
+GLOO_RANK = [PRETRAIN_SBATCH, "--dry-run", "--cpu", "--global-batch", "8", "--batch-size", "4", CONFIG, "data"]
+GLOO_TASKS = {
+    "SLURM_JOB_ID": "7",
+    "SLURM_NNODES": "1",
+    "SLURM_NTASKS": "2",
+    "SLURM_NTASKS_PER_NODE": "2",
+    "SLURM_CPUS_ON_NODE": "2",
+    "SLURM_CPUS_PER_TASK": "1",
+}
 
 
-@pytest.mark.parametrize(
-    "cmd, env, expected",
-    [
-        # each rank gets the node's cores over the ranks on the node, at least one
-        ([PRETRAIN, "--dry-run", "--gpus", "1", CONFIG, "data"], {}, CORES),
-        ([PRETRAIN, "--dry-run", "--gpus", "64", CONFIG, "data"], {}, 1),
-        ([PRETRAIN, "--dry-run", "--gpus", "2", CONFIG, "data"], {"SLURM_CPUS_ON_NODE": "48"}, 24),
-        ([PRETRAIN_SBATCH, "--dry-run", "--nodes", "2", CONFIG, "data"], {"SLURM_CPUS_ON_NODE": "80"}, 10),
-        ([PRETRAIN, "--dry-run", "--gpus", "8", CONFIG, "data"], {"SLURM_CPUS_PER_TASK": "10"}, 10),  # srun's tasks
-        ([FINETUNE, "--dry-run", "--cpu", "sst_2", "model.pt"], {}, CORES),
-        ([FINETUNE_SBATCH, "--dry-run", "model.pt"], {"SLURM_CPUS_PER_TASK": "8"}, 8),
-        # a value the user exported is kept, whatever the ranks
-        ([PRETRAIN, "--dry-run", "--gpus", "64", CONFIG, "data"], {"OMP_NUM_THREADS": "5"}, 5),
-        ([FINETUNE, "--dry-run", "--cpu", "sst_2", "model.pt"], {"OMP_NUM_THREADS": "3"}, 3),
-    ],
-)
-def test_plan_gives_each_rank_its_share_of_the_cores(cmd, env, expected, tmp_path):
+def gpus(n):
+    return [PRETRAIN, "--dry-run", "--gpus", str(n), CONFIG, "data"]
+
+
+def thread_plan(cmd, env, tmp_path, cores=None, prefix=()):
+    """OMP_NUM_THREADS and its reason from CMD's --dry-run plan, with no SLURM_* variable or
+    OMP_NUM_THREADS but ENV's; CORES: nproc says so (the affinity of a node larger than this one)."""
     checkpoint = {"cfg": {"model": {"_name": "roberta", "max_positions": 512}}}  # what a finetuning plan reads
     torch.save(checkpoint, tmp_path / "model.pt")
     base = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS" and not k.startswith("SLURM_")}
+    if cores is not None:
+        fake = tmp_path / "bin" / "nproc"
+        fake.parent.mkdir()
+        fake.write_text(f"#!/bin/sh\necho {cores}\n")
+        fake.chmod(0o755)
+        base["PATH"] = f"{fake.parent}{os.pathsep}{base['PATH']}"
     proc = subprocess.run(
-        [str(c) for c in cmd], cwd=tmp_path, env=base | env, capture_output=True, text=True, timeout=120
+        [*prefix, *map(str, cmd)], cwd=tmp_path, env=base | env, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (threads, why), *_ = THREADS.findall(proc.stdout)
-    assert int(threads) == expected, proc.stdout
-    assert ("yours, kept" in why) == ("OMP_NUM_THREADS" in env)
+    return int(threads), why
+
+
+@pytest.mark.parametrize(
+    "cmd, env, cores, expected, why",
+    [
+        # no Slurm: the cores this process may use / the ranks it starts, at least one
+        (gpus(1), {}, None, CORES, f"no Slurm: the {CORES} core(s) this process may use;"),
+        (gpus(8), {}, 80, 10, "no Slurm: the 80 core(s) this process may use / 8 rank(s)"),
+        ([FINETUNE, "--dry-run", "--cpu", "sst_2", "model.pt"], {}, None, CORES, "no Slurm"),
+        # one Slurm task that starts all the ranks of its node: the task's CPUs / those ranks
+        (gpus(8), ONE_TASK, 80, 10, "one Slurm task, starting the node's 8 rank(s) itself: its --cpus-per-task 80 / 8"),
+        (gpus(8), ONE_TASK | {"SLURM_CPUS_PER_TASK": "4"}, 80, 1, "its --cpus-per-task 4 / 8 rank(s)"),
+        (gpus(8), ONE_TASK, 16, 2, "its --cpus-per-task 80 capped at the 16 core(s) this process may use / 8"),
+        (gpus(2), NODE_48, 96, 24, "starting the node's 2 rank(s) itself: the node's 48 CPUs (SLURM_CPUS_ON_NODE) / 2"),
+        (ARRAY_ELEMENT, ONE_TASK | {"SLURM_CPUS_PER_TASK": "8"}, 96, 8, "1 rank(s) itself: its --cpus-per-task 8"),
+        # srun starts the script once per rank: that task's CPUs
+        (RANK_OF_64, PER_RANK, 80, 10, "one Slurm task per rank (8 on the node): its --cpus-per-task 10"),
+        (RANK_OF_64, NO_CPUS_PER_TASK, 80, 10, "one Slurm task per rank (8 on the node): its 10 of the node's 80 CPUs"),
+        ([PRETRAIN_SBATCH, "--dry-run", CONFIG, "data"], PER_RANK, 80, 10, "one Slurm task per rank (8 on the node)"),
+        (GLOO_RANK, GLOO_TASKS, None, 1, "one Slurm task per rank (2 on the node): its --cpus-per-task 1"),
+        # a value the user exported is kept, whatever the ranks
+        (gpus(64), ONE_TASK | {"OMP_NUM_THREADS": "5"}, None, 5, "yours, kept"),
+        ([FINETUNE, "--dry-run", "--cpu", "sst_2", "model.pt"], {"OMP_NUM_THREADS": "3"}, None, 3, "yours, kept"),
+    ],
+    ids=[
+        "no-slurm-1-gpu",
+        "no-slurm-8-gpus",
+        "no-slurm-cpu",
+        "one-task-80-cpus-8-ranks",
+        "one-task-at-least-1",
+        "one-task-affinity-cap",
+        "one-task-cpus-on-node",
+        "one-task-finetune-array",
+        "srun-task-per-rank",
+        "srun-task-share-of-node",
+        "sbatch-batch-step",
+        "sbatch-cpu-gloo-ranks",
+        "kept-under-slurm",
+        "kept-cpu",
+    ],
+)
+def test_plan_gives_each_rank_its_threads(cmd, env, cores, expected, why, tmp_path):
+    """OMP_NUM_THREADS per rank in each launch shape: one Slurm task per rank, one task starting
+    its node's ranks, no Slurm; never more than the cores this process may use, never below 1."""
+    threads, reason = thread_plan(cmd, env, tmp_path, cores)
+    assert (threads, why in reason) == (expected, True), f"OMP_NUM_THREADS={threads} ({reason})"
+
+
+@pytest.mark.skipif(not shutil.which("taskset"), reason="needs taskset (util-linux) to restrict the affinity")
+@pytest.mark.parametrize(
+    "cmd, env", [(gpus(1), ONE_TASK), (RANK_OF_64, PER_RANK)], ids=["one-task", "srun-task-per-rank"]
+)
+def test_plan_caps_the_threads_at_the_affinity(cmd, env, tmp_path):
+    """A task bound to fewer cores than Slurm's counts say (here one, by taskset) runs on those
+    only, as with a step given fewer CPUs per task than the job's --cpus-per-task."""
+    core = min(os.sched_getaffinity(0))
+    threads, reason = thread_plan(cmd, env, tmp_path, prefix=["taskset", "-c", str(core)])
+    assert threads == 1 and "capped at the 1 core(s) this process may use" in reason, f"{threads} ({reason})"
 
 
 def truncate(path, keep=0.5):

@@ -8,8 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from fairseq.data import Dictionary
 from fairseq.modules import MultiheadAttention
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import linformer_fairseq  # noqa: F401  (registers the model)
 from linformer_fairseq.models.linformer_roberta import LinformerRobertaConfig, LinformerRobertaModel
@@ -45,6 +47,23 @@ def attention(embed_dim, heads, n, k, dropout=0.0, **choices):
     """A LinformerMultiheadAttention with these settings (headwise, linear unless chosen)."""
     settings = LinformerSettings(max_positions=n, compressed_dims=(k,), **choices)
     return LinformerMultiheadAttention(embed_dim, heads, settings, k, dropout=dropout)
+
+
+class Float64Ops(TorchDispatchMode):
+    """Records every op that reads or makes a float64 tensor: what a device without float64 (Apple's
+    MPS) refuses."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(
+            isinstance(t, torch.Tensor) and t.dtype == torch.float64 for t in pytree.tree_leaves((args, kwargs, out))
+        ):
+            self.ops.append(str(func))
+        return out
 
 
 def tokens(length, batch=1, seed=0):
@@ -691,3 +710,19 @@ def test_checkpoint_with_its_config_loads_under_the_safe_loader():
     loaded = torch.load(buffer)  # weights_only=True, torch's default
     assert OmegaConf.to_container(loaded["cfg"]) == OmegaConf.to_container(state["cfg"])
     assert loaded["args"].arch == "linformer_roberta"
+
+
+@pytest.mark.parametrize(
+    "choices",
+    [{}, {"compress_length_norm": "exact"}, {"compress_type": "conv"},
+     {"compress_length_norm": "resample", "local_window": 4, "local_count_once": True}],
+)  # fmt: skip
+def test_a_float32_forward_runs_no_float64_op(choices):
+    """The plain Linformer (defaults, exact, pooling) and the band with its recount run on a device
+    without float64: no op of a padded forward reads or makes one."""
+    model = build_model(**choices)
+    src = tokens(30, batch=2)
+    src[1, 11:] = 1  # padded
+    with torch.no_grad(), Float64Ops() as seen:
+        features(model, src)
+    assert seen.ops == [], seen.ops

@@ -17,12 +17,14 @@ from linformer_fairseq.modules import (
     COMPRESS_TYPES,
     LinformerMultiheadAttention,
     LinformerSettings,
-    linformer_attention,
+    linformer_band,
+    linformer_projection,
 )
-from linformer_fairseq.modules.linformer_attention import (
+from linformer_fairseq.modules.linformer_attention import projection
+from linformer_fairseq.modules.linformer_band import (
+    CountOnce,
     attend_local_and_projected,
     band_geometry,
-    projection,
     rows_outside_band,
 )
 
@@ -87,37 +89,48 @@ def test_band_with_the_rows_recounted_matches_the_dense_reference(T, half, R):
 
 
 def counted_share(length: int, width: Fraction, rows: int, half: int, T: int):
-    """rows_outside_band by counting: the share of the real positions in row r's window [r w, (r + 1)
-    w) that query i's band [i - half, i + half] does not read, in steps of 1/d (w = m/d) among the L
-    real positions; 1 for a row past the sentence."""
+    """The recount by counting, apart from the implementation: row r stands for the positions [r w,
+    (r + 1) w), in steps of 1/d (w = m/d); of them, those of the L real tokens that query i's band [i -
+    half, i + half] does not read are what it still counts. Its share is that count over the m steps
+    of its width (so a row past the sentence counts nothing), its log what the rows' logits get."""
     m, d = width.numerator, width.denominator
     share = torch.empty(T, rows, dtype=torch.float64)
     for i, r in itertools.product(range(T), range(rows)):
-        window = set(range(r * m, min((r + 1) * m, d * length)))
-        band = set(range(d * max(0, i - half), d * min(length, i + half + 1)))
-        share[i, r] = len(window - band) / len(window) if window else 1.0
+        real = set(range(r * m, (r + 1) * m)) & set(range(d * length))
+        band = set(range(d * max(0, i - half), d * (i + half + 1)))
+        share[i, r] = len(real - band) / m
     return share.log()
 
 
+def share_of(length: int, width, rows: int, half: int, T: int):
+    count = CountOnce(
+        torch.tensor([float(length)], dtype=torch.float64), torch.tensor([float(width)], dtype=torch.float64), None
+    )
+    return rows_outside_band(count, rows, half, T)
+
+
 @pytest.mark.parametrize(
-    "length,width,rows,half,T", [(20, 4, 8, 3, 24), (9, 2, 8, 0, 12), (30, 5, 6, 40, 30), (10, 4, 3, 3, 10)]
+    "length,width,rows,half,T",
+    [(20, 4, 8, 3, 24), (9, 2, 8, 0, 12), (30, 5, 6, 40, 30), (10, 4, 4, 2, 12), (15, 8, 2, 1, 16), (7, 2.5, 4, 1, 10)],
 )
-def test_rows_outside_band_counts_the_positions_the_band_leaves(length, width, rows, half, T):
-    """Windows of n/k positions (past the sentence too, and a last one the sentence fills in part), a
-    band wider than the input, half = 0."""
-    got = rows_outside_band(torch.tensor([length]), torch.tensor([float(width)]), rows, half, T)
+def test_rows_outside_band_counts_the_tokens_the_band_leaves(length, width, rows, half, T):
+    """Rows partly past the sentence (its last tokens), wholly past it, a pooled last row of 7 tokens
+    (counting 7, not 8), fractional widths, a band wider than the input, half = 0."""
+    got = share_of(length, width, rows, half, T)
     expected = counted_share(length, Fraction(width), rows, half, T)
     assert got.shape == (1, 1, T, rows)
     torch.testing.assert_close(got[0, 0].exp(), expected.exp(), atol=1e-12, rtol=0)
-    assert torch.equal(got[0, 0].isinf(), expected.isinf()), "a row the band covers must drop out"
+    assert torch.equal(got[0, 0].isinf(), expected.isinf()), "a row with nothing left to count must drop out"
 
 
-def test_a_last_partial_row_drops_out_where_the_band_reads_all_its_tokens():
-    """Pooling by s = 4 over L = 10 tokens: row 2 holds tokens 8 and 9 only, so with W = 6 the
-    queries whose band reads both (6 to 9) leave it nothing to stand for, and query 5, whose band
-    reads token 8, leaves it half."""
-    share = rows_outside_band(torch.tensor([10]), torch.tensor([4.0]), 3, 3, 10)[0, 0, :, 2].exp()
-    torch.testing.assert_close(share, torch.tensor([1, 1, 1, 1, 1, 0.5, 0, 0, 0, 0], dtype=torch.float64))
+def test_rows_at_the_sentences_end_count_their_real_tokens_only():
+    """n/k = 4 over L = 10 tokens, W = 4: row 2 holds tokens 8 and 9 only, so it counts 2 of its 4
+    positions where the band reads neither, 1 at query 6 and none from query 7 on; row 3 lies past the
+    sentence and counts nothing at any query (it kept a full count of 4 before)."""
+    count = share_of(10, 4, 4, 2, 12)[0, 0, :10].exp() * 4  # the real queries
+    expected = torch.tensor([2, 2, 2, 2, 2, 2, 1, 0, 0, 0], dtype=torch.float64)
+    torch.testing.assert_close(count[:, 2], expected)
+    assert torch.equal(count[:, 3], torch.zeros(10, dtype=torch.float64))
 
 
 def test_rows_outside_band_takes_out_exactly_the_band_from_stretched_rows():
@@ -125,7 +138,7 @@ def test_rows_outside_band_takes_out_exactly_the_band_from_stretched_rows():
     the rows, what the recount takes out of the counts is the band's size, no more, no less."""
     lengths, k, half, T = torch.tensor([37, 23, 5]), 8, 4, 37
     width = lengths.double() / k
-    share = rows_outside_band(lengths, width, k, half, T)[:, 0]  # B x T x R
+    share = rows_outside_band(CountOnce(lengths.double(), width, None), k, half, T)[:, 0]  # B x T x R
     taken = ((1 - share.exp()) * width.view(-1, 1, 1)).sum(-1)  # B x T: these rows are all covered whole
     at = torch.arange(T)
     band = (torch.minimum(at + half + 1, lengths.view(-1, 1)) - (at - half).clamp(min=0)).clamp(min=0)
@@ -205,7 +218,7 @@ def test_band_backward_keeps_no_weights():
 def test_band_with_other_blocks_matches_the_dense_reference_and_its_gradients(monkeypatch, block, T, half):
     """Blocks other than the band's half width (BAND_BLOCK), spans that are not a multiple of them:
     the forward pass and the backward pass, which folds each block's span back onto the keys."""
-    monkeypatch.setattr(linformer_attention, "BAND_BLOCK", block)
+    monkeypatch.setattr(linformer_band, "BAND_BLOCK", block)
     assert band_geometry(half, T).block == block
     q, k, v, key_real, k_rows, v_rows, rows_real, offset = band_inputs(T=T, R=3, B=2, H=2, D=3)
     share = random_share(T, 3)
@@ -382,7 +395,7 @@ def test_sentences_read_through_resample_stand_for_L_over_k_tokens_a_row(count_o
     sentences = attn.compress_k.sentences(pad_mask, T, 5, "cpu")
     assert sentences.exact.tolist() == [False, True, False, False, False]
     torch.testing.assert_close(
-        sentences.width, torch.tensor([5 / 16, 1, 12 / 16, 23 / 16, 30 / 16], dtype=torch.float64)
+        sentences.width, torch.tensor([5 / 16, 1, 12 / 16, 23 / 16, 30 / 16], dtype=torch.float32)
     )
     x = torch.randn(T, 5, 16, dtype=torch.float64)
     with torch.no_grad():
@@ -396,8 +409,8 @@ def test_per_sentence_quantities_are_computed_once_a_forward(monkeypatch):
     """Lengths, exact reading and row width come from one place (SequenceProjection.sentences), once
     a layer's forward, for E, F and the band alike."""
     calls = []
-    counted = linformer_attention.sentence_lengths
-    monkeypatch.setattr(linformer_attention, "sentence_lengths", lambda *args: calls.append(1) or counted(*args))
+    counted = linformer_projection.sentence_lengths
+    monkeypatch.setattr(linformer_projection, "sentence_lengths", lambda *args: calls.append(1) or counted(*args))
     attn = attention(16, 4, 32, 8, length_norm="exact", local_window=4, local_count_once=True)
     pad_mask = torch.arange(20).view(1, 20) >= torch.tensor([20, 6]).view(-1, 1)
     attn(torch.randn(20, 2, 16), key_padding_mask=pad_mask)

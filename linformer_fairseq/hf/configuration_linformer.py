@@ -1,9 +1,10 @@
 """Configuration of a Linformer (or RoBERTa) exported from fairseq to Hugging Face transformers.
 
 Depends only on transformers. ``scripts/export_hf.py`` writes it, with ``modeling_linformer.py``
-and ``linformer_attention.py``, into the exported folder, which transformers loads with
-``trust_remote_code=True``. Field names follow transformers where it has one (``hidden_size``,
-``num_hidden_layers``, ...); the Linformer's own fields keep the plugin's flag names.
+and the attention's files (``linformer_attention.py`` and those it imports), into the exported
+folder, which transformers loads with ``trust_remote_code=True``. Field names follow transformers
+where it has one (``hidden_size``, ``num_hidden_layers``, ...); the Linformer's own fields keep the
+plugin's flag names.
 """
 
 from transformers import PretrainedConfig

@@ -3,9 +3,9 @@ transformers models: ``LinformerModel`` (the encoder), ``LinformerForMaskedLM`` 
 ``LinformerForSequenceClassification`` (classification or regression).
 
 Depends only on torch and transformers. The attention (the sequence projections E/F and the
-attention over the k projected keys and values) is ``linformer_attention.py`` beside this file,
-the plugin's own module copied byte for byte by ``scripts/export_hf.py``: the fairseq model and
-this one run the same code. The rest is fairseq's RoBERTa encoder: token embeddings, learned
+attention over the k projected keys and values) is ``linformer_attention.py`` beside this file, with
+the files it imports, the plugin's own modules copied byte for byte by ``scripts/export_hf.py``: the
+fairseq model and this one run the same code. The rest is fairseq's RoBERTa encoder: token embeddings, learned
 positions starting at pad + 1, post-norm layers (or pre-norm with a final layer norm),
 fairseq's masked-LM head (tied to the token embedding) and classification head (on ``<s>``).
 

@@ -22,6 +22,7 @@ CPU) or ``foreach`` (a few kernels per group).
 """
 
 import math
+from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,8 +49,13 @@ class FairseqFusedAdamConfig(FairseqDataclass):
 class FairseqEpsAdamW(torch.optim.AdamW):
     """torch.optim.AdamW whose eps sits where fairseq's Adam puts it (see the module's doc).
 
-    The step count is kept per group in Python (``fairseq_step``): PyTorch's own per-parameter
-    count lives on the GPU under ``fused``, and reading it would wait for the GPU every step.
+    fairseq's Adam counts steps per parameter: one that had no gradient on a step (fp32 training
+    of an unused or frozen-then-unfrozen head) is not stepped and its count stays behind. PyTorch
+    also counts per parameter, but its count lives on the GPU under ``fused``, and reading it would
+    wait for the GPU every step; so each parameter's count is kept again in Python, in its state
+    (``fairseq_step``, saved with the checkpoint). The eps of a step depends on that count, and
+    PyTorch takes one eps per group: each step hands PyTorch the group split by count (one part,
+    and so one kernel, unless parameters missed steps).
     """
 
     supports_memory_efficient_fp16 = False
@@ -57,16 +63,38 @@ class FairseqEpsAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        eps = [group["eps"] for group in self.param_groups]
-        for group in self.param_groups:
-            if any(p.grad is not None for p in group["params"]):
-                group["fairseq_step"] = group.get("fairseq_step", 0) + 1
-                group["eps"] = group["eps"] / math.sqrt(1 - group["betas"][1] ** group["fairseq_step"])
+        loss = None
+        if closure is not None:  # before the split: it makes the gradients the split looks at
+            with torch.enable_grad():
+                loss = closure()
+        groups, counts, parts = self.param_groups, {}, []
+        for group in groups:
+            by_count = defaultdict(list)
+            for p in group["params"]:
+                if p.grad is not None:  # PyTorch, like fairseq, skips (and does not count) the others
+                    counts[p] = self.state[p].get("fairseq_step", 0) + 1
+                    by_count[counts[p]].append(p)
+            for t, params in by_count.items():
+                parts.append({**group, "params": params, "eps": group["eps"] / math.sqrt(1 - group["betas"][1] ** t)})
+        self.param_groups = parts
         try:
-            return super().step(closure)
+            super().step()
         finally:
-            for group, value in zip(self.param_groups, eps):
-                group["eps"] = value
+            self.param_groups = groups
+        for p, t in counts.items():  # after the step: PyTorch initialises a parameter's state if it is empty
+            self.state[p]["fairseq_step"] = t
+        return loss
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        # Each parameter's count is PyTorch's own (``step``, read once here). That also converts the
+        # checkpoints of the earlier adam_fused, which kept one count per group (``fairseq_step`` in
+        # the param group, ahead of PyTorch's per-parameter count for a parameter that missed steps).
+        for group in self.param_groups:
+            group.pop("fairseq_step", None)
+            for p in group["params"]:
+                if "step" in self.state.get(p, {}):
+                    self.state[p]["fairseq_step"] = int(self.state[p]["step"])
 
 
 @register_optimizer("adam_fused", dataclass=FairseqFusedAdamConfig)

@@ -6,7 +6,10 @@ the masked_lm task and criterion, the config's optimizer and polynomial_decay sc
 fp16 / bf16 through fairseq's FP16Optimizer. The bare step is the same model, from the same
 initial weights, stepped as linformer_tools.measure.training_step does: forward, masked-LM
 loss, backward, torch.optim.Adam. Both take the same masked batch. Their ratio says what
-fairseq's update adds to the model's step; a torch.profiler pass counts where it goes.
+fairseq's update adds to the model's step; a torch.profiler pass counts where it goes. Each
+carries its model FLOPs utilization on a GPU of linformer_tools.mfu's table. With
+``--pretrain-log CONFIG=LOG``, scripts/pretrain.sh's steady-state updates/s from LOG (its
+hydra_train.log) go beside the update of the same config and batch (``pretrain_table``).
 """
 
 import itertools
@@ -19,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from . import measure, models
+from . import logs, measure, mfu, models
 from .common import CONFIGS, PLUGIN_DIR, fail
 
 PRETRAINING = CONFIGS / "pretraining"
@@ -185,9 +188,32 @@ def threads_line():
     )
 
 
+def model_shape(cfg, task):
+    """What mfu.matmul_flops reads, from the composed config (fairseq's defaults added) and the
+    task's dictionary: widths, layers, V, the masked share, and a Linformer's k per layer,
+    sharing, projection kind and band."""
+    m = cfg.model
+    shape = dict(d=m.encoder_embed_dim, f=m.encoder_ffn_embed_dim, layers=m.encoder_layers)
+    shape |= dict(vocab=len(task.source_dictionary), masked_share=float(cfg.task.mask_prob))
+    if "compressed_dim" in m:  # linformer_roberta
+        from linformer_fairseq.modules.linformer_attention import LinformerSettings
+
+        s = LinformerSettings.from_args(m)
+        shape |= dict(k=list(s.compressed_dims), sharing=s.sharing, kind=s.kind, window=s.local_window)
+    return shape
+
+
+def update_flops(shape, sentences, tokens):
+    """Model FLOPs of one training update of ``sentences`` sequences holding ``tokens`` real tokens
+    in all (each counted at their mean length)."""
+    return sentences * mfu.matmul_flops(tokens / sentences, **shape)
+
+
 def real_batches(trainer, count):
-    """The first ``count`` batches of the data-bin's train split, as fairseq-train reads them."""
-    itr = trainer.get_train_iterator(epoch=1, load_dataset=True).next_epoch_itr(shuffle=False)
+    """The first ``count`` batches of the data-bin's train split in the order fairseq-train's first
+    epoch takes them (shuffled with the config's seed: unshuffled, masked_lm's batches run from
+    the shortest sequences up), so the batches of its first updates."""
+    itr = trainer.get_train_iterator(epoch=1, load_dataset=True).next_epoch_itr(shuffle=True)
     return list(islice(itr, count))
 
 
@@ -229,6 +255,13 @@ def measure_config(args, name, n):
             "losses": losses,
         }
         result["speed"] = result["step_ms"] / result["update_ms"]
+        # model FLOPs at the batches' mean sentences and real (unpadded) tokens
+        result["shape"] = shape = model_shape(cfg, task)
+        result["sentences"] = statistics.mean(int(s["nsentences"]) for s in samples)
+        result["real_tokens"] = statistics.mean(int(s["ntokens"]) for s in samples)
+        result["flops_per_update"] = flops = update_flops(shape, result["sentences"], result["real_tokens"])
+        result["peak"], peak = mfu.cuda_peak(device, args.dtype)
+        result["mfu"] = {k: mfu.utilization(flops, result[f"{k}_ms"] / 1000, peak) for k in ("update", "step")}
         steps = args.profile_steps
         profiles = {"update": profile_steps(update, device, steps), "step": profile_steps(bare, device, steps)}
         result["profile"] = {k: summarize(p, steps, device) for k, p in profiles.items()}
@@ -247,6 +280,8 @@ def report(result, dtype, device, profile):
         f"{dtype} on {device}, {result['optimizer']}",
         f"  update {result['update_ms']:.1f} ms, bare step {result['step_ms']:.1f} ms, "
         f"update/step speed {result['speed']:.2f}",
+        f"  model FLOPs {result['flops_per_update'] / 1e12:.3g} TFLOP an update: MFU update "
+        f"{mfu.percent(result['mfu']['update'])}, bare step {mfu.percent(result['mfu']['step'])} ({result['peak']})",
         f"  {'per step':<32}{'update':>10}{'bare step':>12}",
     ]
     update, step = result["profile"]["update"], result["profile"]["step"]
@@ -258,8 +293,79 @@ def report(result, dtype, device, profile):
     return "\n".join(lines)
 
 
+SKIP = 50  # pretrain.sh's first updates, left out of its steady state (warmup: allocations, cudnn, the loader)
+
+
+def pretrain_steady(log, skip=SKIP):
+    """pretrain.sh's updates after the first ``skip``, from its log's train_inner records. fairseq's
+    ``ups`` of a record is the updates since the previous record over the seconds since that one
+    was logged (its train_inner meters are reset at every log), so with common.log_interval
+    dividing ``skip`` the records after update ``skip`` time exactly the later updates:
+    updates/s = their count over the sum of (a record's updates / its ups). None without a record
+    at update ``skip`` and one after it; else the updates counted (from, to), ups, the mean
+    sentences and real tokens an update (bsz, wpb), each record's ups (windows) and the epochs the
+    records span (more than one: an epoch's end, its validation and new data loader, is counted)."""
+    records = [r for r in logs.records(log, "train_inner") if "num_updates" in r]
+    restarts = [i for i in range(1, len(records)) if records[i]["num_updates"] <= records[i - 1]["num_updates"]]
+    records = records[max(restarts, default=0) :]  # a rerun in the same save dir appends to the log
+    first = [r for r in records if int(r["num_updates"]) == skip]
+    later = [r for r in records if int(r["num_updates"]) > skip]
+    if not first or not later or any("ups" not in r for r in later):  # no ups: no finite gradient in a record
+        return None
+    counted, seconds, sentences, tokens, previous = 0, 0.0, 0.0, 0.0, skip
+    for r in later:
+        updates = int(r["num_updates"]) - previous
+        counted, seconds, previous = counted + updates, seconds + updates / r["ups"], int(r["num_updates"])
+        sentences, tokens = sentences + updates * r["bsz"], tokens + updates * r["wpb"]
+    return {
+        "from": skip + 1,
+        "to": previous,
+        "ups": counted / seconds,
+        "bsz": sentences / counted,
+        "wpb": tokens / counted,
+        "windows": [r["ups"] for r in later],
+        "epochs": sorted({int(r["epoch"]) for r in first + later if "epoch" in r}),
+    }
+
+
+def pretrain_table(results, pretrain_logs, dtype, device):
+    """pretrain.sh's steady updates/s beside the update (Trainer.train_step) and the bare step of
+    the same config and batch, as ratios, each with its MFU (pretrain.sh's at its log's mean
+    sentences and tokens an update)."""
+    why, peak = mfu.cuda_peak(device, dtype)
+    head = "| config | n x batch | pretrain.sh updates/s | update/s | pretrain/update | bare step/s | pretrain/step "
+    lines = [head + "| MFU pretrain | MFU update | MFU step |", "| --- | --- |" + " ---: |" * 8]
+    notes = []
+    for r in results:
+        if r["config"] not in pretrain_logs:
+            continue
+        log, steady = pretrain_logs[r["config"]], pretrain_steady(pretrain_logs[r["config"]])
+        update_ups, step_ups = 1000 / r["update_ms"], 1000 / r["step_ms"]
+        cells = [f"`{r['config']}`", f"{r['n']:,} x {r['batch_size']}"]
+        if steady is None:
+            cells += [f"no record at update {SKIP} and after in {log}", f"{update_ups:.2f}", "-", f"{step_ups:.2f}"]
+            cells += ["-", "-", mfu.percent(r["mfu"]["update"]), mfu.percent(r["mfu"]["step"])]
+        else:
+            flops = update_flops(r["shape"], steady["bsz"], steady["wpb"])
+            cells += [f"{steady['ups']:.2f} ({steady['from']}-{steady['to']})", f"{update_ups:.2f}"]
+            cells += [f"**{steady['ups'] / update_ups:.2f}**", f"{step_ups:.2f}", f"{steady['ups'] / step_ups:.2f}"]
+            cells += [mfu.percent(mfu.utilization(flops, 1 / steady["ups"], peak))]
+            cells += [mfu.percent(r["mfu"]["update"]), mfu.percent(r["mfu"]["step"])]
+            windows = ", ".join(f"{w:g}" for w in steady["windows"])
+            notes.append(
+                f"{r['config']}: pretrain.sh's records after update {SKIP}: {windows} updates/s; "
+                f"{steady['bsz']:.1f} sentences, {steady['wpb']:,.0f} tokens an update (the update: "
+                f"{r['sentences']:.1f}, {r['real_tokens']:,.0f})"
+            )
+            if len(steady["epochs"]) > 1:
+                notes.append(f"{r['config']}: epochs {steady['epochs']} ended inside: their ends are counted")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join([*lines, *(f"- {note}" for note in notes), f"- MFU: {why}" if peak is None else f"- peak: {why}"])
+
+
 def run(args):
-    """--mode update: each config in turn, then the summary line."""
+    """--mode update: each config in turn, then the summary line (and with --pretrain-log, the
+    table of pretrain.sh against the update)."""
     models.import_fairseq()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -274,4 +380,8 @@ def run(args):
     worst = min(results, key=lambda r: r["speed"])
     each = ", ".join(f"{r['config']} n={r['n']} {r['speed']:.2f}" for r in results)
     print(f"update/step speed: {worst['speed']:.2f}" + (f" (the lowest; {each})" if len(results) > 1 else ""))
+    if args.pretrain_log:
+        pretrain_logs = dict(entry.split("=", 1) for entry in args.pretrain_log)
+        print(f"\npretrain.sh against the update, {args.dtype} on {args.device}:", flush=True)
+        print(pretrain_table(results, pretrain_logs, args.dtype, args.device), flush=True)
     return results

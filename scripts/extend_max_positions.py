@@ -25,8 +25,9 @@ Projections (Linformer only), by ``--projections``:
             the same way. Outputs on short inputs change.
 
 ``--local-window W`` gives a Linformer an exact local band of W neighbours beside its projections
-(its far-field offsets start at 0, or keep the checkpoint's), at n or at n'. ``--local-count-once
-1`` makes its projected rows leave out the tokens the band reads (0: count them again, as before).
+(its far-field offsets start at 0, or keep the checkpoint's), at n or at n'. ``--local-count-once``
+makes its projected rows leave out the tokens the band reads (``--no-local-count-once``: count them
+again, as before; neither keeps the checkpoint's).
 
 ``--compress-length-norm MODE`` also switches a Linformer's linear projections to another
 length handling (what an input shorter than n' does with E) before any extension; without
@@ -137,7 +138,7 @@ def switch_length_norm(model, ns, mode: str):
     ns.compress_length_norm = mode
 
 
-def with_local_window(model, ns, window: int | None, count_once: int | None, vocab: int):
+def with_local_window(model, ns, window: int | None, count_once: bool | None, vocab: int):
     """``model`` rebuilt with a local band of ``window`` and its rows counted once or not
     (``count_once``; None: as it is), ``ns`` set to match."""
     if window is None and count_once is None:
@@ -153,12 +154,12 @@ def with_local_window(model, ns, window: int | None, count_once: int | None, voc
     return banded
 
 
-def set_local_band(ns, window: int | None, count_once: int | None):
+def set_local_band(ns, window: int | None, count_once: bool | None):
     """The namespace's band set to ``window`` and ``count_once`` where given (a removed band is not recounted)."""
     if window is not None:
         ns.local_window = window
     if count_once is not None:
-        ns.local_count_once = bool(count_once)
+        ns.local_count_once = count_once
     if not getattr(ns, "local_window", 0):
         ns.local_count_once = False
 
@@ -178,7 +179,7 @@ def extend(state, kind: str, args):
     if args.local_count_once and not (
         getattr(ns, "local_window", 0) if args.local_window is None else args.local_window
     ):
-        fail("--local-count-once 1 recounts the projected rows beside a band: the model has none, add --local-window")
+        fail("--local-count-once recounts the projected rows beside a band: the model has none, add --local-window")
     switches = args.compress_length_norm or band
     if args.max_positions == n and not switches or args.max_positions < n and kind != "roberta":
         longer = "larger than" if kind != "roberta" else "other than"
@@ -243,10 +244,9 @@ def build_parser():
     )
     parser.add_argument(
         "--local-count-once",
-        type=int,
-        choices=(0, 1),
-        help="1: the band's tokens are left out of the projected rows' counts; 0: counted in them again, as "
-        "before (linformer_roberta.py --help)",
+        action=argparse.BooleanOptionalAction,
+        help="the band's tokens are left out of the projected rows' counts; --no-local-count-once: counted in "
+        "them again, as before (default: the checkpoint's; linformer_roberta.py --help)",
     )
     parser.add_argument(
         "--projections",
@@ -297,7 +297,7 @@ def main(argv=None):
     checkpoints.write_checkpoint(state, ns, model, args.output, note, max_positions=(n, args.max_positions))
     switched = f"; compress length norm {args.compress_length_norm}" if args.compress_length_norm else ""
     switched += f"; local window {args.local_window}" if args.local_window is not None else ""
-    switched += f"; local count once {args.local_count_once}" if args.local_count_once is not None else ""
+    switched += {True: "; local count once on", False: "; local count once off", None: ""}[args.local_count_once]
     if args.max_positions == n:
         names = {v: k for k, v in LENGTH_NORM_POWERS.items()}
         was = {names[m.length_power] for m in old.modules() if isinstance(m, SequenceProjection) and m.kind == "linear"}

@@ -434,8 +434,8 @@ def test_a_local_band_is_added_kept_through_extension_and_removed(sources, corpu
     """--local-window on extend_max_positions.py: the same weights with a band (far-field offsets
     at 0), which changes what a full block computes; --local-window 0 takes it away and gives the
     original back exactly; extending the banded model to n' keeps the band and computes the same
-    on inputs of at most n tokens. --local-count-once 1 recounts the rows (same weights, other
-    outputs), 0 gives the band's outputs back. The converter builds the band from a RoBERTa."""
+    on inputs of at most n tokens. --local-count-once recounts the rows (same weights, other
+    outputs), --no-local-count-once gives the band's outputs back. The converter builds the band from a RoBERTa."""
     resample = sources["linformer-linear-resample"]
     banded, back, long_path = tmp_path / "band.pt", tmp_path / "back.pt", tmp_path / "long.pt"
     assert call(extend, resample, banded, "--local-window", 8) == 0
@@ -454,15 +454,18 @@ def test_a_local_band_is_added_kept_through_extension_and_removed(sources, corpu
     block, sentences = valid_tokens(corpus, task, N), padded_sentences(task)
     assert (features(band, block) - features(original, block)).abs().max() > 1e-3
     once, twice = tmp_path / "once.pt", tmp_path / "twice.pt"
-    assert call(extend, banded, once, "--local-count-once", 1) == 0
-    assert "local count once 1" in capsys.readouterr().out
+    assert call(extend, banded, once, "--local-count-once") == 0
+    assert "local count once on" in capsys.readouterr().out
     recounted = torch.load(once, weights_only=True)["model"]
     assert recounted.keys() == after["model"].keys()
     assert all(torch.equal(recounted[key], after["model"][key]) for key in recounted), "the weights must stay"
     counted_once, _ = load(once, corpus / "bin")
     assert counted_once.encoder.sentence_encoder.layers[0].self_attn.local_count_once
     assert (features(counted_once, block) - features(band, block)).abs().max() > 1e-3
-    assert call(extend, once, twice, "--local-count-once", 0) == 0
+    assert call(extend, once, twice, "--no-local-count-once") == 0
+    assert "local count once off" in capsys.readouterr().out
+    assert call(extend, once, tmp_path / "once-long.pt", "--max-positions", 2 * N) == 0  # neither: the checkpoint's
+    assert torch.load(tmp_path / "once-long.pt", weights_only=True)["cfg"]["model"].local_count_once
     torch.testing.assert_close(features(load(twice, corpus / "bin")[0], block), features(band, block), atol=0, rtol=0)
     assert call(extend, banded, back, "--local-window", 0) == 0
     unbanded, _ = load(back, corpus / "bin")
@@ -481,7 +484,7 @@ def test_a_local_band_is_added_kept_through_extension_and_removed(sources, corpu
     flags = ["--compressed-dim", 8, "--local-window", 8, "--local-count-once"]
     assert call(convert, sources["roberta"], tmp_path / "converted-once.pt", *flags) == 0
     assert torch.load(tmp_path / "converted-once.pt", weights_only=True)["cfg"]["model"].local_count_once
-    assert call(extend, resample, tmp_path / "out.pt", "--local-count-once", 1) == 2
+    assert call(extend, resample, tmp_path / "out.pt", "--local-count-once") == 2
     assert "the model has none, add --local-window" in error_line(capsys)
     assert call(extend, sources["roberta"], tmp_path / "out.pt", "--local-window", 8) == 2
     assert "--local-window applies to Linformer checkpoints, not a roberta" in error_line(capsys)

@@ -174,12 +174,9 @@ PER_RANK = {
     "SLURM_CPUS_ON_NODE": "80",
     "SLURM_CPUS_PER_TASK": "10",
 }
-RANK_OF_64 = [PRETRAIN, "--dry-run", "--nodes", "8", "--gpus", "8", "--distributed-port", "20007", CONFIG, "data"]
 NO_CPUS_PER_TASK = {k: v for k, v in PER_RANK.items() if k not in ("SLURM_NTASKS_PER_NODE", "SLURM_CPUS_PER_TASK")}
 NODE_48 = {"SLURM_JOB_ID": "7", "SLURM_NNODES": "1", "SLURM_CPUS_ON_NODE": "48"}  # sbatch --gpus 2, no --ntasks
-ARRAY_ELEMENT = [FINETUNE_SBATCH, "--dry-run", "model.pt"]
-# `sbatch --nodes 1 --ntasks-per-node 2 --gpus-per-node 0 --cpus-per-task 1 pretrain.sbatch --cpu`
-GLOO_RANK = [PRETRAIN_SBATCH, "--dry-run", "--cpu", "--global-batch", "8", "--batch-size", "4", CONFIG, "data"]
+# `sbatch --nodes 1 --ntasks-per-node 2 --gpus-per-node 0 --cpus-per-task 1 pretrain.sbatch --cpu`: a gloo rank
 GLOO_TASKS = {
     "SLURM_JOB_ID": "7",
     "SLURM_NNODES": "1",
@@ -194,9 +191,15 @@ def gpus(n):
     return [PRETRAIN, "--dry-run", "--gpus", str(n), CONFIG, "data"]
 
 
+# set_threads alone, for GPUS ranks on the node (what the launchers set before they call it): a
+# dry run costs seconds of hydra, this milliseconds
+SET_THREADS = 'source "$0"; GPUS=$1; set_threads; echo "threads: $THREADS_NOTE"'
+
+
 def thread_plan(cmd, env, tmp_path, cores=None, prefix=()):
-    """OMP_NUM_THREADS and its reason from CMD's --dry-run plan, with no SLURM_* variable or
-    OMP_NUM_THREADS but ENV's; CORES: nproc says so (the affinity of a node larger than this one)."""
+    """OMP_NUM_THREADS and its reason from CMD's --dry-run plan (or, CMD a number of ranks, from
+    launch_common.sh's set_threads), with no SLURM_* variable or OMP_NUM_THREADS but ENV's; CORES:
+    nproc says so (the affinity of a node larger than this one)."""
     checkpoint = {"cfg": {"model": {"_name": "roberta", "max_positions": 512}}}  # what a finetuning plan reads
     torch.save(checkpoint, tmp_path / "model.pt")
     base = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS" and not k.startswith("SLURM_")}
@@ -206,6 +209,8 @@ def thread_plan(cmd, env, tmp_path, cores=None, prefix=()):
         fake.write_text(f"#!/bin/sh\necho {cores}\n")
         fake.chmod(0o755)
         base["PATH"] = f"{fake.parent}{os.pathsep}{base['PATH']}"
+    if isinstance(cmd, int):
+        cmd = ["bash", "-c", SET_THREADS, REPO / "scripts" / "launch_common.sh", cmd]
     proc = subprocess.run(
         [*prefix, *map(str, cmd)], cwd=tmp_path, env=base | env, capture_output=True, text=True, timeout=120
     )
@@ -218,28 +223,28 @@ def thread_plan(cmd, env, tmp_path, cores=None, prefix=()):
     "cmd, env, cores, expected, why",
     [
         # no Slurm: the cores this process may use / the ranks it starts, at least one
-        (gpus(1), {}, None, CORES, f"no Slurm: the {CORES} core(s) this process may use;"),
-        (gpus(8), {}, 80, 10, "no Slurm: the 80 core(s) this process may use / 8 rank(s)"),
+        (1, {}, None, CORES, f"no Slurm: the {CORES} core(s) this process may use;"),
+        (8, {}, 80, 10, "no Slurm: the 80 core(s) this process may use / 8 rank(s)"),
         ([FINETUNE, "--dry-run", "--cpu", "sst_2", "model.pt"], {}, None, CORES, "no Slurm"),
         # one Slurm task that starts all the ranks of its node: the task's CPUs / those ranks
         (gpus(8), ONE_TASK, 80, 10, "one Slurm task, starting the node's 8 rank(s) itself: its --cpus-per-task 80 / 8"),
-        (gpus(8), ONE_TASK | {"SLURM_CPUS_PER_TASK": "4"}, 80, 1, "its --cpus-per-task 4 / 8 rank(s)"),
-        (gpus(8), ONE_TASK, 16, 2, "its --cpus-per-task 80 capped at the 16 core(s) this process may use / 8"),
-        (gpus(2), NODE_48, 96, 24, "starting the node's 2 rank(s) itself: the node's 48 CPUs (SLURM_CPUS_ON_NODE) / 2"),
-        (ARRAY_ELEMENT, ONE_TASK | {"SLURM_CPUS_PER_TASK": "8"}, 96, 8, "1 rank(s) itself: its --cpus-per-task 8"),
+        (8, ONE_TASK | {"SLURM_CPUS_PER_TASK": "4"}, 80, 1, "its --cpus-per-task 4 / 8 rank(s)"),
+        (8, ONE_TASK, 16, 2, "its --cpus-per-task 80 capped at the 16 core(s) this process may use / 8"),
+        (2, NODE_48, 96, 24, "starting the node's 2 rank(s) itself: the node's 48 CPUs (SLURM_CPUS_ON_NODE) / 2"),
+        (1, ONE_TASK | {"SLURM_CPUS_PER_TASK": "8"}, 96, 8, "1 rank(s) itself: its --cpus-per-task 8"),
         # srun starts the script once per rank: that task's CPUs
-        (RANK_OF_64, PER_RANK, 80, 10, "one Slurm task per rank (8 on the node): its --cpus-per-task 10"),
-        (RANK_OF_64, NO_CPUS_PER_TASK, 80, 10, "one Slurm task per rank (8 on the node): its 10 of the node's 80 CPUs"),
+        (8, PER_RANK, 80, 10, "one Slurm task per rank (8 on the node): its --cpus-per-task 10"),
+        (8, NO_CPUS_PER_TASK, 80, 10, "one Slurm task per rank (8 on the node): its 10 of the node's 80 CPUs"),
         ([PRETRAIN_SBATCH, "--dry-run", CONFIG, "data"], PER_RANK, 80, 10, "one Slurm task per rank (8 on the node)"),
-        (GLOO_RANK, GLOO_TASKS, None, 1, "one Slurm task per rank (2 on the node): its --cpus-per-task 1"),
+        (2, GLOO_TASKS, None, 1, "one Slurm task per rank (2 on the node): its --cpus-per-task 1"),
         # a value the user exported is kept, whatever the ranks
-        (gpus(64), ONE_TASK | {"OMP_NUM_THREADS": "5"}, None, 5, "yours, kept"),
-        ([FINETUNE, "--dry-run", "--cpu", "sst_2", "model.pt"], {"OMP_NUM_THREADS": "3"}, None, 3, "yours, kept"),
+        (64, ONE_TASK | {"OMP_NUM_THREADS": "5"}, None, 5, "yours, kept"),
+        (1, {"OMP_NUM_THREADS": "3"}, None, 3, "yours, kept"),
     ],
     ids=[
         "no-slurm-1-gpu",
         "no-slurm-8-gpus",
-        "no-slurm-cpu",
+        "no-slurm-cpu-finetune",
         "one-task-80-cpus-8-ranks",
         "one-task-at-least-1",
         "one-task-affinity-cap",
@@ -255,20 +260,19 @@ def thread_plan(cmd, env, tmp_path, cores=None, prefix=()):
 )
 def test_plan_gives_each_rank_its_threads(cmd, env, cores, expected, why, tmp_path):
     """OMP_NUM_THREADS per rank in each launch shape: one Slurm task per rank, one task starting
-    its node's ranks, no Slurm; never more than the cores this process may use, never below 1."""
+    its node's ranks, no Slurm; never more than the cores this process may use, never below 1.
+    Three shapes through the launchers' own --dry-run plans, the rest through set_threads."""
     threads, reason = thread_plan(cmd, env, tmp_path, cores)
     assert (threads, why in reason) == (expected, True), f"OMP_NUM_THREADS={threads} ({reason})"
 
 
 @pytest.mark.skipif(not shutil.which("taskset"), reason="needs taskset (util-linux) to restrict the affinity")
-@pytest.mark.parametrize(
-    "cmd, env", [(gpus(1), ONE_TASK), (RANK_OF_64, PER_RANK)], ids=["one-task", "srun-task-per-rank"]
-)
-def test_plan_caps_the_threads_at_the_affinity(cmd, env, tmp_path):
+@pytest.mark.parametrize("ranks, env", [(1, ONE_TASK), (8, PER_RANK)], ids=["one-task", "srun-task-per-rank"])
+def test_plan_caps_the_threads_at_the_affinity(ranks, env, tmp_path):
     """A task bound to fewer cores than Slurm's counts say (here one, by taskset) runs on those
     only, as with a step given fewer CPUs per task than the job's --cpus-per-task."""
     core = min(os.sched_getaffinity(0))
-    threads, reason = thread_plan(cmd, env, tmp_path, prefix=["taskset", "-c", str(core)])
+    threads, reason = thread_plan(ranks, env, tmp_path, prefix=["taskset", "-c", str(core)])
     assert threads == 1 and "capped at the 1 core(s) this process may use" in reason, f"{threads} ({reason})"
 
 

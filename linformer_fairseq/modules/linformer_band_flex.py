@@ -196,9 +196,10 @@ def attend_local_and_projected_flex(
             out = _kernel()(
                 queries[at], keys[at], values[at], _score_mod(padded, half_window, values_of), block_mask, offset_grad
             )
-        out, lse = out if offset_grad else (out, None)
+        if offset_grad:  # (out, AuxOutput)
+            out, aux = out
+            lses.append(aux.lse[:, :, :T])
         outs.append(out[:, :, :T])
-        lses.append(None if lse is None else lse.lse[:, :, :T])
         start += piece
     out = torch.cat(outs)
     if not offset_grad:

@@ -130,6 +130,8 @@ def hf_config(model, kind, args, head_name, labels, mask_token_id):
     positions = encoder.embed_positions.weight.size(0)
     if positions != n + encoder.padding_idx + 1:
         fail(f"the positional embedding has {positions} rows for max_positions {n}: expected n + pad + 1")
+    if head_name and getattr(args, "chunk_length", 0):  # the exported model reads at most n tokens, unchunked
+        fail(f"its head reads documents in chunks (--chunk-length {args.chunk_length}), which the export cannot")
     fields = dict(
         vocab_size=encoder.embed_tokens.weight.size(0),
         hidden_size=args.encoder_embed_dim,

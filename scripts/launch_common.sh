@@ -178,6 +178,7 @@ print_plan() {  # WORLD BATCH UPDATE_FREQ GLOBAL_BATCH
 FROM='' BLOCKS_OF_MODEL_LENGTH=0 RESUME='' RESUME_NOTE='' PLAN_NOTES=() LP_FT='' PROBED='' PROBE=''
 launch() {
     local config_dir=$1 config=$2 answer line batch update_freq global_batch flags=() probe_cmd=() truncation head_tokens
+    local chunk_length max_positions
     set_world_size
     set_threads
     SAVE_DIR=$(realpath -m "$SAVE_DIR")  # every node and rank must see the same path
@@ -206,9 +207,10 @@ launch() {
         esac
     done <<<"$answer"
     if [[ -n $PROBE ]]; then
-        read -r truncation head_tokens <<<"$PROBE"
+        read -r truncation head_tokens chunk_length max_positions <<<"$PROBE"
         probe_cmd=("$PYTHON" "$REPO/scripts/probe_head.py" "$(realpath "$FROM")" --data "$DATA" --out "$PROBED.partial"
             --pooler-tokens "$LP_FT" --truncation "$truncation" --truncation-head-tokens "$head_tokens")
+        ((chunk_length)) && probe_cmd+=(--chunk-length "$chunk_length" --max-positions "$max_positions")
         ((CPU)) && probe_cmd+=(--device cpu)
         ((${SLURM_NTASKS:-1} == 1)) || ((DRY_RUN)) ||  # srun starts this script once a rank
             die "--lp-ft in a job of ${SLURM_NTASKS} tasks: each would fit the probe. Fit it once first, then relaunch: $(printf '%q ' "${probe_cmd[@]}") && mv $(printf '%q' "$PROBED.partial") $(printf '%q' "$PROBED")"

@@ -52,6 +52,12 @@ def build_parser():
     p.add_argument("--pooler-tokens", choices=POOLER_TOKENS,
                    help="what the head reads, written into the checkpoint for finetuning to keep: first (<s>) "
                         "or mean (of the document's final states); default: the checkpoint's, else first")  # fmt: skip
+    p.add_argument("--chunk-length", type=int, default=0,
+                   help="read documents in chunks of N tokens, the head on the mean of all their states "
+                        "(the model's --chunk-length, kept; needs --pooler-tokens mean; default: 0, off)")  # fmt: skip
+    p.add_argument("--max-positions", type=int,
+                   help="documents are read up to this many tokens, longer ones cut by --truncation (finetuning's "
+                        "task.max_positions; default: the model's)")  # fmt: skip
     p.add_argument("--penalties", type=float, nargs="+", default=list(PENALTIES),
                    help=f"L2 penalties to try, the best on validation kept (default: {list(PENALTIES)})")  # fmt: skip
     p.add_argument("--tokens-a-batch", type=int, default=4096, help="tokens a forward batch (default: 4096)")
@@ -69,6 +75,8 @@ def parse_args(argv=None):
         p.error("--out is CHECKPOINT: write the probed model beside it")
     if args.tokens_a_batch < 1 or min(args.penalties) <= 0:
         p.error("--tokens-a-batch and --penalties must be positive")
+    if args.chunk_length < 0 or (args.max_positions is not None and args.max_positions < 1):
+        p.error("--chunk-length must be >= 0 and --max-positions >= 1")
     return args
 
 
@@ -108,8 +116,11 @@ def features_and_labels(model, task, split, tokens_a_batch, head=None):
             start += len(batch)
             sample = utils.apply_to_sample(lambda t: t.to(device), dataset.collater([dataset[i] for i in batch]))
             tokens = sample["net_input"]["src_tokens"]
-            out = model(tokens, features_only=True, classification_head_name=head)[0]
-            out = out.argmax(-1) if head else model.pool(out, tokens)[:, 0]
+            out = (
+                model(tokens, classification_head_name=head)[0].argmax(-1)
+                if head
+                else model.head_input(tokens)[0][:, 0]
+            )
             for i, row, label in zip(sample["id"].tolist(), out.cpu(), sample["target"].view(-1).tolist()):
                 rows[i], labels[i] = row, label
             if time.time() - started > 30:
@@ -124,14 +135,18 @@ def main():
     checkpoints.model_kind(state, args.checkpoint)
     ns = checkpoints.model_namespace(state)
     ns.pooler_tokens = args.pooler_tokens or getattr(ns, "pooler_tokens", None) or "first"
+    ns.chunk_length = args.chunk_length or getattr(ns, "chunk_length", 0) or 0
     activation = getattr(ns, "pooler_activation_fn", "tanh")
     if activation not in ACTIVATIONS:  # before the long feature pass
         fail(f"{args.checkpoint}: its head's activation is {activation} (--pooler-activation-fn); a probe becomes "
              f"a head with {' or '.join(ACTIVATIONS)}")  # fmt: skip
-    model = checkpoints.build_model(ns, checkpoints.vocab_size(state))
+    try:
+        model = checkpoints.build_model(ns, checkpoints.vocab_size(state))
+    except ValueError as e:  # a --chunk-length the model cannot read
+        fail(f"{args.checkpoint}: {e}")
     checkpoints.load_weights(model, state["model"])
     model.to(args.device).eval()
-    task = task_for(args, ns.max_positions)
+    task = task_for(args, args.max_positions or ns.max_positions)
     if len(task.source_dictionary) != checkpoints.vocab_size(state):
         fail(f"--data {args.data}: its dictionary has {len(task.source_dictionary)} symbols with <mask>, the model "
              f"{checkpoints.vocab_size(state)}: the data-bin was not made with the model's dictionary")  # fmt: skip
@@ -149,7 +164,8 @@ def main():
     weights = head_weights(probe, activation)
     head.load_state_dict({name: w.to(args.device) for name, w in weights.items()})
     note = dict(kind="linear probe head", source=str(args.checkpoint), data=str(args.data),
-                truncation=args.truncation, pooler_tokens=ns.pooler_tokens, penalty=probe.penalty,
+                truncation=args.truncation, pooler_tokens=ns.pooler_tokens, chunk_length=ns.chunk_length,
+                max_positions=args.max_positions or ns.max_positions, penalty=probe.penalty,
                 valid_accuracy=100 * probe.valid)  # fmt: skip
     checkpoints.write_checkpoint(state, ns, model.cpu(), args.out, note)
 

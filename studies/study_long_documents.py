@@ -14,6 +14,10 @@ Two kinds of models, one mode each:
                     (scripts/pretrain.sh --from CHECKPOINT extend), a Linformer for each
                     --projections way of extending its projections
 
+With --pooler-tokens mean (--hf-dir), the original also reads whole reviews of up to n' tokens as
+consecutive chunks of n, each through full attention, its head on the mean of every chunk's states
+(runs original-nN-chunks-nN'; --chunk-length).
+
 --control (--hf-dir only, for now) adds each Linformer's linearization at n followed by
 head+tail truncation: whatever it gains is not from reading more.
 Folders of further training carry its length (-uUPDATES, -sSTEPS), so another length is
@@ -35,7 +39,10 @@ Steps, each skipped when its output exists (a killed study resumes where it stop
    finetuning update (--batch documents, in steps of at most --step-tokens tokens) and the peak
    memory of a step, documents per second when predicting; with --hf-dir, each Linformer's
    fidelity to the original on test reviews by length (measured when the run is run: a finished
-   run named in --runs gets it too); OUT/report.md, OUT/results.json and OUT/accuracy_by_length.png.
+   run named in --runs gets it too); OUT/report.md, OUT/results.json, OUT/accuracy_by_length.png
+   and OUT/records.json, one record a seed (its head, command and date) for
+   studies/long_documents_records.py to merge into docs/long_documents/records.json.
+   A finetuned model with a band also predicts with its rows masked out and with its band off.
 """
 
 import argparse

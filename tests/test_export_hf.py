@@ -483,6 +483,12 @@ def test_bad_input_exits_2_with_one_line_naming_the_file(spm_dir, tmp_path, caps
     assert call(ckpt, "--out", tmp_path / "full") == 2
     assert "full: exists; choose another --out, or --overwrite" in error_line(capsys)
 
+    # a head that reads documents in chunks: the exported model would read them whole, or not at all
+    chunked = checkpoint(tmp_path / "chunked.pt", spm_dir, ["--compressed-dim", "16", "--pooler-tokens", "mean",
+                                                             "--chunk-length", "32"])  # fmt: skip
+    assert call(chunked, "--out", tmp_path / "hf") == 2
+    assert "reads documents in chunks (--chunk-length 32), which the export cannot" in error_line(capsys)
+
 
 def test_help_and_exit_2_from_the_command_line(tmp_path):
     script = SCRIPTS / "export_hf.py"

@@ -602,3 +602,36 @@ def test_checkpoint_round_trip_and_clear_errors(tmp_path):
     attn = attention(16, 4, 32, 8, local_window=4)
     with pytest.raises(ValueError, match="not returned with --local-window"):
         attn(torch.randn(20, 1, 16), need_weights=True)
+
+
+def test_the_band_alone_and_the_rows_alone_as_the_long_document_study_reads_them():
+    """studies/long_documents/runs.py's read_as: with its rows masked out a band model's attention
+    is the dense band over the sentence's tokens alone, and with its band off it is the plain
+    Linformer of its weights (short sentences read exactly keep their own rows either way)."""
+    from long_documents.runs import read_as
+
+    n, k, T = 32, 8, 23
+    torch.manual_seed(0)
+    settings = LinformerSettings(n, (k,), "headwise", "linear", "none", "xavier", local_window=6)
+    lengths = torch.tensor([23, 15])
+    pad_mask = torch.arange(T).view(1, T) >= lengths.view(-1, 1)
+    x = torch.randn(T, 2, 16, dtype=torch.float64)
+    attn = LinformerMultiheadAttention(16, 4, settings, k).double().eval()
+    with torch.no_grad():
+        attn.local_far_bias.copy_(torch.tensor([0.5, -1.0, 0.0, 2.0]))
+        finetuned, _ = attn(x, key_padding_mask=pad_mask)
+        band_alone, _ = read_as(copy.deepcopy(attn), "band only")(x, key_padding_mask=pad_mask)
+        rows_alone, _ = read_as(copy.deepcopy(attn), "rows only")(x, key_padding_mask=pad_mask)
+        B, H, D = 2, 4, 4
+        q, kk, v = (p(x).view(T, B, H, D).permute(1, 2, 0, 3) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        no_rows = torch.zeros(B, H, 0, D, dtype=torch.float64)
+        band = dense_band_and_rows(q, kk, v, ~pad_mask, 3, no_rows, no_rows, None, 0.0)
+        without = LinformerSettings(n, (k,), "headwise", "linear", "none", "xavier")
+        plain = LinformerMultiheadAttention(16, 4, without, k)
+        plain.double().eval().load_state_dict(attn.state_dict(), strict=False)
+        linformer, _ = plain(x, key_padding_mask=pad_mask)
+    real = ~pad_mask.t()
+    expected = attn.out_proj(band.permute(2, 0, 1, 3).reshape(T, B, 16))
+    torch.testing.assert_close(band_alone[real], expected[real], atol=1e-12, rtol=0)
+    torch.testing.assert_close(rows_alone[real], linformer[real], atol=1e-12, rtol=0)
+    assert (finetuned[real] - band_alone[real]).abs().max() > 1e-3 < (finetuned[real] - rows_alone[real]).abs().max()

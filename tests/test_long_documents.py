@@ -270,13 +270,32 @@ def test_long_document_study_of_an_imported_encoder(tmp_path):
         (lp / made).symlink_to(out / made)
     lp_ft = [*cmd[: cmd.index("--out")], "--out", lp, *cmd[cmd.index("--out") + 2 : cmd.index("--runs")]]
     lp_ft += ["--no-timing", "--lp-ft", "--pooler-tokens", "mean", "--predict-with", "best"]
-    lp_ft += ["--finetune-overrides", "++task.log_parameter_groups=true", "--runs", "linformer-n128-k32-s6"]
+    lp_ft += ["--finetune-overrides", "++task.log_parameter_groups=true"]
+    # and the original over chunks of n = 64 of reviews of up to n' = 128, its probe's head reading them so too
+    lp_ft += ["--runs", "linformer-n128-k32-s6", "original-n64-chunks-n128"]
     run([*lp_ft, *cmd[cmd.index("--linearize-flags") :]])
     probed = (lp / "probed" / "linformer-n128-k32-s6.log").read_text()
     assert "probe of the mean final states" in probed and "agreeing with the probe on 100.0%" in probed, probed
     finetuned = (lp / "runs" / "linformer-n128-k32-s6" / "seed1.log").read_text()
     assert "'pooler_tokens': mean," in finetuned and "gshare_projections=" in finetuned, finetuned[-2000:]
     assert len(json.loads((lp / "runs" / "linformer-n128-k32-s6" / "seed1" / "predictions.json").read_text())) == 8
+    logged = (lp / "probed" / "original-n64-chunks-n128.log").read_text().splitlines()
+    chunked = json.loads(next(line for line in reversed(logged) if line.startswith("{")))  # probe_head's report
+    assert (chunked["chunk_length"], chunked["max_positions"], chunked["agreement"]) == (64, 128, 100), chunked
+    finetuned = (lp / "runs" / "original-n64-chunks-n128" / "seed1.log").read_text()
+    assert "'chunk_length': 64," in finetuned and "'max_positions': 128," in finetuned, finetuned[-2000:]
+    # one record a seed: its head and recipe, the command with this machine's paths named, the date
+    records = {r["run"]: r for r in json.loads((lp / "records.json").read_text())}
+    assert set(records) == {"linformer-n128-k32-s6", "original-n64-chunks-n128"}, records
+    for name, r in records.items():
+        rows = json.loads((lp / "runs" / name / "seed1" / "predictions.json").read_text())
+        assert (r["head"], r["seed"], r["reads"], r["recipe"]["predict_with"]) == ("probe-mean", 1, 128, "best")
+        bins = reads.length_bins(N, [2])  # <= 64, 65-128, > 128, by each review's whole length
+        assert list(r["test"]) == ["<= 64", "65-128", "> 128"], r["test"]
+        assert r["test"] == {label: [sum(keep(x) for x, _, _ in rows), sum(c for x, _, c in rows if keep(x))]
+                             for label, keep in bins}, r  # fmt: skip
+        assert " --out OUT " in r["command"] and str(tmp_path) not in r["command"] and r["date"].startswith("20")
+    assert "++model.chunk_length=64" in records["original-n64-chunks-n128"]["recipe"]["overrides"]
     # --read-exact: each Linformer at n' also switched to exact length handling, the same weights
     listed = subprocess.run([*map(str, cmd[: cmd.index("--runs")]), "--read-exact", "--runs", "none"],
                             capture_output=True, text=True).stderr  # fmt: skip

@@ -94,6 +94,10 @@ def test_lp_ft_plans_training_from_the_probe(pooler, tmp_path):
     assert f"--out {save}/probed.pt.partial --pooler-tokens {pooler} --truncation tail" in probe, out
     assert f"checkpoint.restore_file=\\'{save}/probed.pt\\'" in out and f"pooler_tokens=\\'{pooler}\\'" in out, out
     assert "--truncation head_tail --truncation-head-tokens 128" in plan("imdb", checkpoint).stdout
+    assert "--chunk-length" not in out
+    # chunks of 256 of documents of up to 2,048 tokens: the probe reads them so too
+    chunked = plan("imdb", checkpoint, "model.chunk_length=256", "task.max_positions=2048").stdout
+    assert "--chunk-length 256 --max-positions 2048" in chunked and "++model.chunk_length=256" in chunked, chunked
     save.mkdir()
     (save / "probed.pt").touch()
     out = plan("imdb", checkpoint).stdout

@@ -7,7 +7,7 @@ from fairseq.models.roberta import RobertaModel
 from fairseq.models.roberta.model import base_architecture as roberta_base_architecture
 from torch import nn
 
-from .classification import POOLER_TOKENS, POOLER_TOKENS_HELP, PoolerTokens
+from .classification import CHUNK_LENGTH_HELP, POOLER_TOKENS, POOLER_TOKENS_HELP, PoolerTokens
 
 FAIRSEQ_LAYERNORM_EPS = 1e-5  # torch's default, which fairseq's LayerNorm() never changes
 
@@ -28,6 +28,7 @@ class ImportedRobertaModel(PoolerTokens, RobertaModel):
             "--layernorm-eps", type=float, metavar="EPS", help="epsilon of every layer norm (default: 1e-5)"
         )
         parser.add_argument("--pooler-tokens", choices=POOLER_TOKENS, help=POOLER_TOKENS_HELP + " (default: first)")
+        parser.add_argument("--chunk-length", type=int, metavar="N", help=CHUNK_LENGTH_HELP + " (default: 0)")
 
     @classmethod
     def build_model(cls, args, task):
@@ -40,4 +41,5 @@ class ImportedRobertaModel(PoolerTokens, RobertaModel):
 def imported_roberta_architecture(args):
     args.layernorm_eps = getattr(args, "layernorm_eps", FAIRSEQ_LAYERNORM_EPS)
     args.pooler_tokens = getattr(args, "pooler_tokens", None) or "first"
+    args.chunk_length = getattr(args, "chunk_length", None) or 0
     roberta_base_architecture(args)

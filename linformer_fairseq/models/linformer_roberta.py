@@ -29,7 +29,7 @@ from ..modules.linformer_attention import (
     LinformerSettings,
 )
 from ..modules.linformer_encoder import LinformerTransformerEncoder
-from .classification import POOLER_TOKENS, POOLER_TOKENS_HELP, PoolerTokens
+from .classification import CHUNK_LENGTH_HELP, POOLER_TOKENS, POOLER_TOKENS_HELP, PoolerTokens
 from .imported_roberta import FAIRSEQ_LAYERNORM_EPS, set_layernorm_eps
 
 
@@ -55,6 +55,7 @@ class LinformerRobertaConfig(FairseqDataclass):
     activation_dropout: float = field(default=0.0, metadata={"help": "dropout probability after activation in FFN"})
     pooler_dropout: float = field(default=0.0, metadata={"help": "dropout probability in the masked_lm pooler layers"})
     pooler_tokens: ChoiceEnum(POOLER_TOKENS) = field(default="first", metadata={"help": POOLER_TOKENS_HELP})
+    chunk_length: int = field(default=0, metadata={"help": CHUNK_LENGTH_HELP})
     max_positions: int = field(
         default=512, metadata={"help": "n: number of positions, and the length the projections E/F map from"}
     )

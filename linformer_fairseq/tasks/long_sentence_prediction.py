@@ -138,6 +138,17 @@ class LongSentencePredictionTask(SentencePredictionTask):
             self.parameter_group_log(model)
         super().optimizer_step(optimizer, model, update_num)
 
+    def build_model(self, cfg, from_checkpoint=False):
+        # sentence_prediction sizes the model's positions to the task's max_positions; a model that
+        # reads in chunks (--chunk-length) keeps its own, and the task reads longer documents
+        if not getattr(cfg, "chunk_length", 0):
+            return super().build_model(cfg, from_checkpoint)
+        from fairseq import models
+
+        model = models.build_model(cfg, self, from_checkpoint)
+        model.register_classification_head(self.cfg.classification_head_name, num_classes=self.cfg.num_classes)
+        return model
+
     def load_dataset(self, split, combine=False, **kwargs):
         assert self.cfg.shorten_method == "none", (
             f"long_sentence_prediction cuts documents by --truncation; got --shorten-method "

@@ -56,6 +56,7 @@ FINETUNING_CHOICES = {
     "compress_resample_prob",
     "freeze_compress",
     "pooler_tokens",
+    "chunk_length",
 }
 
 
@@ -307,7 +308,9 @@ def plan(args):
              "linformer_roberta or roberta_imported")  # fmt: skip
     lines += [f"override {o}" for o in overrides] + batch_plan(args, cfg)
     if args.lp_ft and not resume and not args.probed.is_file():
-        lines.append(f"probe {cfg.task.get('truncation') or 'none'} {cfg.task.get('truncation_head_tokens') or 128}")
+        cut = f"{cfg.task.get('truncation') or 'none'} {cfg.task.get('truncation_head_tokens') or 128}"
+        reads = f"{cfg.model.get('chunk_length') or 0} {cfg.task.get('max_positions') or 0}"  # as finetuning reads
+        lines.append(f"probe {cut} {reads}")
     print("\n".join(lines))
 
 

@@ -1,6 +1,7 @@
 """The long-document study's report: OUT/report.md (accuracy overall, by seed and by review
-length, what the further training did, the Linformers' fidelity), OUT/results.json and
-OUT/accuracy_by_length.png, from whatever runs have finished."""
+length, what the further training did, the Linformers' fidelity), OUT/results.json,
+OUT/records.json (one record a seed: long_documents/records.py) and OUT/accuracy_by_length.png,
+from whatever runs have finished."""
 
 import json
 import statistics
@@ -11,6 +12,7 @@ from linformer_tools.models import pyplot, save_figure
 
 from common import mean_sd
 from long_documents.data import corpus_name, length_bins, test_lengths
+from long_documents.records import seed_records
 from long_documents.runs import cost_of, step_batch
 
 
@@ -95,6 +97,8 @@ def report(args, specs):
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     write_text(args.out / "report.md", "\n".join(lines) + "\n")
     write_text(args.out / "results.json", json.dumps(results, indent=1))
+    seeds = seed_records(args, specs, predictions, validation_accuracy)
+    write_text(args.out / "records.json", json.dumps(seeds, indent=1))
     plot_by_length(results, args.out / "accuracy_by_length.png", n, corpus)
     print("\n".join(lines))
 

@@ -4,7 +4,9 @@ each Linformer's fidelity to the original by review length, and the cost of each
 
 import itertools
 import json
+import shlex
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,6 +189,11 @@ def runs(args):
     if args.hf_dir:
         for long_n in longer:  # full attention, no further training
             found[f"original-n{long_n}"] = Run(lambda m=long_n: extended(args, "original", m), long_n, "head_tail")
+        for long_n in longer if args.pooler_tokens == "mean" else []:  # chunks of n, the head on their mean
+            chunked = (f"++model.chunk_length={n}", f"task.max_positions={long_n}")
+            found[f"original-n{n}-chunks-n{long_n}"] = Run(
+                lambda base=base: base, long_n, "head_tail", overrides=chunked
+            )
         for long_n in ([n] if args.control else []) + longer:
             ks = dict.fromkeys(k_at(spec, long_n) for spec in args.ks)
             for how in itertools.product([long_n], ks, args.linearize_on, args.linearize_steps):
@@ -237,9 +244,42 @@ def finetune(args, name, run, seed):
             out.parent / f"seed{seed}.log",
             threads=args.threads,
         )
-    write_text(out / "predictions.json", json.dumps(predict(args, out / f"checkpoint_{args.predict_with}.pt")))
+    write_text(out / "record.json", json.dumps(seed_record(args, name, run, seed), indent=1) + "\n")
+    finetuned = out / f"checkpoint_{args.predict_with}.pt"
+    banded = getattr(checkpoints.model_namespace(checkpoints.read_checkpoint(finetuned)), "local_window", 0)
+    for reading in [*READINGS][::-1] if banded else ["as finetuned"]:  # predictions.json, the mark of done, last
+        write_text(out / READINGS[reading], json.dumps(predict(args, finetuned, reading)))
     for path in out.glob("checkpoint*.pt"):  # the predictions are what the report needs
         path.unlink()
+
+
+def head_of(args):
+    """How a finetuning's classification head starts and what it reads: probe-mean (--lp-ft: a
+    linear probe's head on the mean of the final states), random-mean, or random-first (fairseq's
+    random head on <s>)."""
+    return f"{'probe' if args.lp_ft else 'random'}-{args.pooler_tokens}"
+
+
+def study_command(args):
+    """The study's command line as run, its machine's paths named: HF_DIR, DATA/TARBALL, OUT."""
+    named = {"--hf-dir": "HF_DIR", "--quality": "QUALITY", "--out": "OUT", "--imdb": f"DATA/{args.imdb.name}"}
+    words, argv = ["python", "studies/study_long_documents.py"], sys.argv[1:]
+    for before, word in zip([None, *argv], argv):
+        words.append(named.get(before, word))
+    return shlex.join(words)
+
+
+def seed_record(args, name, run, seed):
+    """What a finetuning seed was: its head, reading and recipe, the command and the date (its
+    accuracy is computed from predictions.json beside it)."""
+    return dict(
+        run=name, seed=seed, head=head_of(args), reads=run.reads, truncation=run.truncation,
+        frozen_projections="++model.freeze_compress=1" in args.finetune_overrides,
+        recipe=dict(train_size=args.train_size, valid_size=args.valid_size, test_size=args.test_size,
+                    epochs=args.epochs, batch=args.batch, lr=args.lr, predict_with=args.predict_with,
+                    overrides=[*run.overrides, *args.finetune_overrides]),
+        command=study_command(args), date=time.strftime("%Y-%m-%d", time.gmtime()),
+    )  # fmt: skip
 
 
 def probed(args, name, run):
@@ -248,21 +288,48 @@ def probed(args, name, run):
     out = args.out / "probed" / f"{name}.pt"
     if not out.exists():
         log(f"{name}: a linear probe's head to start finetuning from")
+        chunked = any(o.startswith("++model.chunk_length=") for o in run.overrides)  # the probe reads chunks too
+        reads = ["--chunk-length", args.n, "--max-positions", run.reads] if chunked else []
         sh([sys.executable, SCRIPTS / "probe_head.py", run.pretrained(), "--data", args.imdb_bin, "--out", out]
            + ["--truncation", run.truncation, "--truncation-head-tokens", args.n // 4, "--device", device(args)]
-           + ["--pooler-tokens", args.pooler_tokens],
+           + ["--pooler-tokens", args.pooler_tokens, *reads],
            out.with_suffix(".log"), args.threads)  # fmt: skip
     return out
 
 
-def predict(args, checkpoint):
-    """Test reviews as the finetuned model reads them (its truncation): (length, label, correct),
-    in the test set's order."""
+# how a finetuned model with a band reads the test reviews: as finetuned, with its rows masked out
+# (the band alone), or with its band off (the rows alone); a file of predictions each
+READINGS = {
+    "as finetuned": "predictions.json",
+    "band only": "predictions-band-only.json",
+    "rows only": "predictions-rows-only.json",
+}
+
+
+def read_as(model, reading):
+    """MODEL's attention with a band read as READING says: band only, its far field's offset at
+    -1e4 (no row gets weight: exp(-1e4) is 0 in float32); rows only, its band off (the plain
+    Linformer of its weights)."""
+    import torch
+
+    for module in model.modules():
+        if hasattr(module, "local_far_bias") and reading == "band only":
+            with torch.no_grad():
+                module.local_far_bias.fill_(-1e4)
+        elif hasattr(module, "local_far_bias") and reading == "rows only":
+            module.local_window = 0
+    return model
+
+
+def predict(args, checkpoint, reading="as finetuned"):
+    """Test reviews as the finetuned model reads them (its truncation; a band model as READING
+    says): (length, label, correct), in the test set's order."""
     import torch
     from fairseq import utils
     from fairseq.data import data_utils
 
     model, task = load(checkpoint, args.imdb_bin)
+    read_as(model, reading)
     model.to(device(args))
     task.load_dataset("test")
     dataset = task.datasets["test"]

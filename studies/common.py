@@ -7,6 +7,7 @@ script in scripts/ imports it."""
 import math
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -45,6 +46,13 @@ def sh(cmd, logfile=None, threads=None):
         what = " ".join(Path(c).name for c in cmd[:3] if not c.startswith("-"))  # python -m x, or a script
         fail(f"{what} failed (exit {code}); see {partial}:\n{tail}")
     partial.rename(logfile)  # the final name marks the step done
+
+
+def command_line(script, named):
+    """This process's command line as ``python SCRIPT ...``, the value of each flag in NAMED replaced
+    by its name there (a record holds no machine's paths)."""
+    argv = sys.argv[1:]
+    return shlex.join(["python", script, *(named.get(before, word) for before, word in zip([None, *argv], argv))])
 
 
 def load(checkpoint, data):

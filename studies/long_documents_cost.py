@@ -20,14 +20,14 @@ studies/long_documents_records.py add-cost merges into the committed records.
 import argparse
 import json
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
 
 from linformer_tools.common import SCRIPTS_DIR, fail, write_text
 
-from common import finetuning_cost, load, log, sh
+from common import command_line, finetuning_cost, load, log, sh
+from long_documents.runs import step_batch
 
 
 def build_parser():
@@ -73,9 +73,7 @@ def cost(args, checkpoint, reads, settings):
     model, task = load(checkpoint, args.study / "original")
     for key, value in settings.items():
         setattr(model.args, key, value)
-    step = max(1, min(args.batch, args.step_tokens // reads))
-    while args.batch % step:
-        step -= 1
+    step = step_batch(args, reads)
     measured = finetuning_cost(model, task, step, reads, args.timing_seconds)
     measured["seconds_per_update"] *= args.batch // step  # an update is batch // step steps
     return {**measured, "reviews_per_step": step}
@@ -101,9 +99,7 @@ def main():
                     found[name].setdefault(key, []).append(value)
     import torch
 
-    words = ["python", "studies/long_documents_cost.py", *sys.argv[1:]]
-    named = {"--study": "OUT", "--out": "COST.json"}
-    command = shlex.join(named.get(before, word) for before, word in zip([None, *words], words))
+    command = command_line("studies/long_documents_cost.py", {"--study": "OUT", "--out": "COST.json"})
     record = dict(date=time.strftime("%Y-%m-%d", time.gmtime()), command=command,
                   machine=dict(cpus=os.cpu_count(), threads=torch.get_num_threads(), torch=torch.__version__),
                   batch=args.batch, step_tokens=args.step_tokens, options=found)  # fmt: skip

@@ -53,17 +53,14 @@ def leaves(value):
 def long_document_figures(found):
     """The long-document records' figures: each run and head's test accuracy (all reviews, and
     those past n) per seed and as mean ± sd, its validation, and the costs and their ratios."""
-
-    def accuracy(record, past):
-        bins = [b for label, b in record["test"].items() if not past or label != f"<= {record['n']}"]
-        return 100 * sum(right for _, right in bins) / sum(reviews for reviews, _ in bins)
+    import long_documents_records as made
 
     groups = {}
     for r in found["records"]:
         groups.setdefault((r["corpus"], r["run"], r["head"], r["frozen_projections"]), []).append(r)
     for seeds in groups.values():
         for past in (False, True):
-            values = [accuracy(r, past) for r in seeds]
+            values = [made.accuracy(r, r["n"] if past else None) for r in seeds]
             yield from ((v, None) for v in values)
             if len(values) > 1:
                 yield (statistics.mean(values), statistics.stdev(values))

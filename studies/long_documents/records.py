@@ -17,8 +17,9 @@ def test_bins(rows, bins):
 
 
 def seed_records(args, specs, predictions, validation_accuracy):
-    """Every finished seed of OUT as a record; a seed finetuned before records were written has
-    its run's settings from this command line and no command or date."""
+    """Every finished seed of OUT as a record, a band model's once for each way it read the test
+    reviews; a seed finetuned before records were written has no head, command or date (which
+    long_documents_records.py add refuses)."""
     bins, found = length_bins(args.n, args.factors), []
     for name in specs:
         for seed in range(1, args.seeds + 1):

@@ -4,7 +4,6 @@ each Linformer's fidelity to the original by review length, and the cost of each
 
 import itertools
 import json
-import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -16,7 +15,7 @@ from linformer_tools.common import SCRIPTS_DIR as SCRIPTS
 from linformer_tools.common import fail, write_text
 from linformer_tools.probe import fit_linear_probe
 
-from common import context_losses, finetuning_cost, load, log, sh
+from common import command_line, context_losses, finetuning_cost, load, log, sh
 from long_documents.data import labeled_reviews, length_bins, test_lengths, test_reviews
 
 
@@ -263,10 +262,7 @@ def head_of(args):
 def study_command(args):
     """The study's command line as run, its machine's paths named: HF_DIR, DATA/TARBALL, OUT."""
     named = {"--hf-dir": "HF_DIR", "--quality": "QUALITY", "--out": "OUT", "--imdb": f"DATA/{args.imdb.name}"}
-    words, argv = ["python", "studies/study_long_documents.py"], sys.argv[1:]
-    for before, word in zip([None, *argv], argv):
-        words.append(named.get(before, word))
-    return shlex.join(words)
+    return command_line("studies/study_long_documents.py", named)
 
 
 def seed_record(args, name, run, seed):
